@@ -1,0 +1,1 @@
+"""ONNX export of the toolkit's models."""

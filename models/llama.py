@@ -1,0 +1,268 @@
+"""LLaMA-style decoder block and stacked decoder, every stage exposed.
+
+Pre-norm (default):  h = x + attn(norm_a(x));  y = h + ffn(norm_f(h))
+Post-norm (2017):    h = norm_a(x + attn(x));  y = norm_f(h + ffn(h))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from models import validation as v
+from models.ops import apply_rope, causal_attention, rms_norm, rope_inverse_frequencies, swiglu
+from toolkit.errors import InputError
+
+BLOCK_STAGES = (
+    "attention_norm",
+    "attention_weights",
+    "attention_branch",
+    "after_attention",
+    "feed_forward_norm",
+    "feed_forward_branch",
+    "output",
+)
+# Post-norm computes the branches before the norms; stage order follows computation.
+POST_NORM_STAGES = (
+    "attention_weights",
+    "attention_branch",
+    "attention_norm",
+    "after_attention",
+    "feed_forward_branch",
+    "feed_forward_norm",
+    "output",
+)
+
+
+@dataclass
+class BlockConfig:
+    width: int = 16
+    heads: int = 4
+    ff_width: int = 32
+    max_positions: int = 64
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+    norm_placement: str = "pre"
+    kv_heads: int | None = None  # None means kv_heads == heads (plain multi-head attention)
+    rope_pairing: str = "interleaved"
+    head_width: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for name in ("width", "heads", "ff_width", "max_positions"):
+            v.positive_int(owner, name, getattr(self, name))
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        v.positive_int(owner, "kv_heads", self.kv_heads)
+        if self.width % self.heads:
+            v.fail(owner, "heads", f"a divisor of width={self.width}", self.heads)
+        self.head_width = self.width // self.heads
+        if self.head_width % 2:
+            v.fail(owner, "heads", f"a head count giving an even head width (width={self.width})", self.heads)
+        if self.heads % self.kv_heads:
+            v.fail(owner, "kv_heads", f"a divisor of heads={self.heads}", self.kv_heads)
+        v.finite_float(owner, "rope_base", self.rope_base, minimum=0.0, inclusive=False)
+        v.finite_float(owner, "eps", self.eps, minimum=0.0, inclusive=True)
+        v.one_of(owner, "norm_placement", self.norm_placement, ("pre", "post"))
+        v.one_of(owner, "rope_pairing", self.rope_pairing, ("interleaved", "half"))
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return BLOCK_STAGES if self.norm_placement == "pre" else POST_NORM_STAGES
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, data):
+        return v.from_dict(cls, data, cls.__name__)
+
+
+@dataclass
+class DecoderConfig(BlockConfig):
+    vocab_size: int = 64
+    layers: int = 2
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        v.positive_int(type(self).__name__, "vocab_size", self.vocab_size)
+        v.positive_int(type(self).__name__, "layers", self.layers)
+        if not isinstance(self.tie_embeddings, bool):
+            v.fail(type(self).__name__, "tie_embeddings", "true or false", self.tie_embeddings)
+        super().__post_init__()
+
+
+@dataclass
+class ProbedBlockConfig(BlockConfig):
+    probe_width: int = 3  # columns of the fixed read-out matrix
+
+    def __post_init__(self) -> None:
+        v.positive_int(type(self).__name__, "probe_width", self.probe_width)
+        super().__post_init__()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: BlockConfig):
+        super().__init__()
+        self.config = config
+        kv_width = config.kv_heads * config.head_width
+        self.q_proj = nn.Linear(config.width, config.width, bias=False)
+        self.k_proj = nn.Linear(config.width, kv_width, bias=False)
+        self.v_proj = nn.Linear(config.width, kv_width, bias=False)
+        self.o_proj = nn.Linear(config.width, config.width, bias=False)
+        self.register_buffer(
+            "inv_freq", rope_inverse_frequencies(config.head_width, config.rope_base), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor, position_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, d = x.shape
+        c = self.config
+        q = self.q_proj(x).view(B, T, c.heads, c.head_width).transpose(1, 2)  # (B, heads, T, head_width)
+        k = self.k_proj(x).view(B, T, c.kv_heads, c.head_width).transpose(1, 2)  # (B, kv_heads, T, head_width)
+        v_ = self.v_proj(x).view(B, T, c.kv_heads, c.head_width).transpose(1, 2)  # (B, kv_heads, T, head_width)
+        positions = torch.arange(T, device=x.device) + position_offset
+        q = apply_rope(q, positions, self.inv_freq, c.rope_pairing)
+        k = apply_rope(k, positions, self.inv_freq, c.rope_pairing)
+        out, probs = causal_attention(q, k, v_)
+        out = out.transpose(1, 2).reshape(B, T, d)  # (B, T, width)
+        return self.o_proj(out), probs
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, ff_width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, ff_width, bias=False)
+        self.up_proj = nn.Linear(width, ff_width, bias=False)
+        self.down_proj = nn.Linear(ff_width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+class DecoderBlock(nn.Module):
+    """One LLaMA-style block; forward returns every stage by name, in computation order."""
+
+    def __init__(self, config: BlockConfig):
+        super().__init__()
+        self.config = config
+        # Definition order fixes parameter order: norm_a, q, k, v, o, norm_f, gate, up, down.
+        self.attention_norm = RMSNorm(config.width, config.eps)
+        self.attention = Attention(config)
+        self.feed_forward_norm = RMSNorm(config.width, config.eps)
+        self.feed_forward = SwiGLU(config.width, config.ff_width)
+
+    def forward(self, x: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
+        if self.config.norm_placement == "post":
+            return self._forward_post(x, position_offset)
+        attention_norm = self.attention_norm(x)
+        attention_branch, attention_weights = self.attention(attention_norm, position_offset)
+        h = x + attention_branch
+        feed_forward_norm = self.feed_forward_norm(h)
+        feed_forward_branch = self.feed_forward(feed_forward_norm)
+        out = h + feed_forward_branch
+        return {
+            "attention_norm": attention_norm,
+            "attention_weights": attention_weights,
+            "attention_branch": attention_branch,
+            "after_attention": h,
+            "feed_forward_norm": feed_forward_norm,
+            "feed_forward_branch": feed_forward_branch,
+            "output": out,
+        }
+
+    def _forward_post(self, x: torch.Tensor, position_offset: int) -> dict[str, torch.Tensor]:
+        attention_branch, attention_weights = self.attention(x, position_offset)
+        h = self.attention_norm(x + attention_branch)
+        feed_forward_branch = self.feed_forward(h)
+        out = self.feed_forward_norm(h + feed_forward_branch)
+        # In post-norm the norm output *is* the residual stream, so the two names share a value.
+        return {
+            "attention_weights": attention_weights,
+            "attention_branch": attention_branch,
+            "attention_norm": h,
+            "after_attention": h,
+            "feed_forward_branch": feed_forward_branch,
+            "feed_forward_norm": out,
+            "output": out,
+        }
+
+
+class ProbedBlock(nn.Module):
+    """A single block with a fixed linear read-out: probe logits = output @ probe."""
+
+    def __init__(self, config: ProbedBlockConfig):
+        super().__init__()
+        self.config = config
+        self.block = nn.ModuleList([DecoderBlock(config)])
+        # A buffer, not a parameter: the read-out is fixed and outside the block's parameter count.
+        self.register_buffer("probe", torch.zeros(config.width, config.probe_width))
+
+    def forward(self, hidden_states: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
+        B, T, d = hidden_states.shape
+        if not torch.onnx.is_in_onnx_export() and T > self.config.max_positions:
+            raise InputError(
+                f"input 'hidden_states': sequence length {T} exceeds max_positions={self.config.max_positions}"
+            )
+        stages = {f"block.0.{k}": s for k, s in self.block[0](hidden_states, position_offset).items()}
+        stages["logits"] = stages["block.0.output"] @ self.probe  # (B, T, probe_width)
+        return stages
+
+
+class Decoder(nn.Module):
+    """Token embedding -> N blocks -> final RMSNorm -> vocabulary head (tied by default)."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.width)
+        self.block = nn.ModuleList([DecoderBlock(config) for _ in range(config.layers)])
+        self.final_norm = RMSNorm(config.width, config.eps)
+        self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
+        B, T = input_ids.shape
+        if not torch.onnx.is_in_onnx_export():
+            check_token_ids(input_ids, self.config, position_offset)
+        x = self.embed_tokens(input_ids)  # (B, T, width)
+        stages = {"embed_tokens": x}
+        for i, block in enumerate(self.block):
+            block_stages = block(x, position_offset)
+            stages.update({f"block.{i}.{k}": s for k, s in block_stages.items()})
+            x = block_stages["output"]
+        stages["final_norm"] = self.final_norm(x)
+        stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
+        return stages
+
+
+def check_token_ids(input_ids: torch.Tensor, config: DecoderConfig, position_offset: int = 0) -> None:
+    if input_ids.dtype != torch.int64:
+        raise InputError(f"input 'input_ids': expected dtype int64, got {input_ids.dtype}")
+    T = input_ids.shape[1]
+    if T + position_offset > config.max_positions:
+        raise InputError(
+            f"input 'input_ids': sequence length {T} (+ offset {position_offset}) exceeds "
+            f"max_positions={config.max_positions}; shorten the input"
+        )
+    if input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(
+                f"input 'input_ids': token id {bad} outside [0, {config.vocab_size}); "
+                "use ids from the model's vocabulary"
+            )

@@ -1,0 +1,84 @@
+"""Free functions for the math a lowering may want to swap.
+
+RMSNorm and SwiGLU are emitted as single custom-domain nodes while
+torch.onnx exports (their bodies are attached as ONNX functions afterwards,
+see exporters/functions.py); in eager mode they run as plain torch code.
+Attention and RoPE stay free functions so a later lowering can replace them.
+"""
+
+import torch
+import torch.nn.functional as F
+
+CUSTOM_DOMAIN = "onnx_toolkit"
+CUSTOM_DOMAIN_VERSION = 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # y = x / sqrt(mean(x^2, -1) + eps) * weight
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            f"{CUSTOM_DOMAIN}::RMSNorm",
+            (x, weight),
+            {"epsilon": float(eps)},
+            dtype=x.dtype,
+            shape=x.shape,
+            version=CUSTOM_DOMAIN_VERSION,
+        )
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def swiglu(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    # y = down_proj( silu(gate_proj x) * (up_proj x) ), weights in torch's [out, in] layout
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            f"{CUSTOM_DOMAIN}::SwiGLU",
+            (x, gate_proj, up_proj, down_proj),
+            {},
+            dtype=x.dtype,
+            shape=(*x.shape[:-1], down_proj.shape[0]),
+            version=CUSTOM_DOMAIN_VERSION,
+        )
+    return F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+
+
+def rope_inverse_frequencies(head_width: int, base: float) -> torch.Tensor:
+    # inv_freq[i] = base^(-2i / head_width), computed in float64 so the oracle stays exact
+    exponents = torch.arange(0, head_width, 2, dtype=torch.float64) / head_width
+    return base ** (-exponents)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, pairing: str) -> torch.Tensor:
+    """Rotate dimension pairs of x [B, heads, T, head_width] by angle pos * inv_freq[i].
+
+    pairing "interleaved" rotates (2i, 2i+1); "half" rotates (i, i + head_width/2),
+    the Hugging Face layout.
+    """
+    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # (T, head_width/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if pairing == "interleaved":
+        first, second = x[..., 0::2], x[..., 1::2]  # (B, heads, T, head_width/2) each
+        rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        return rotated.flatten(-2)  # (B, heads, T, head_width)
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]  # (B, heads, T, head_width/2) each
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(head_width) + causal mask) v, returning (output, probabilities).
+
+    q: (B, heads, T_q, head_width); k, v: (B, kv_heads, T_k, head_width) with T_k >= T_q:
+    the last T_q keys are the queries' own positions, earlier ones are cached.
+    Future keys get -inf so their probabilities are exactly 0.
+    """
+    _, heads, t_q, head_width = q.shape
+    kv_heads, t_k = k.shape[1], k.shape[2]
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, T_k, head_width)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, T_k, head_width)
+    scores = (q @ k.transpose(-2, -1)) * (head_width**-0.5)  # (B, heads, T_q, T_k)
+    query_pos = torch.arange(t_q, device=q.device) + (t_k - t_q)
+    key_pos = torch.arange(t_k, device=q.device)
+    future = key_pos[None, :] > query_pos[:, None]  # (T_q, T_k)
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    return probs @ v, probs

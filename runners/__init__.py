@@ -1,0 +1,1 @@
+"""Backends that run an exported artifact, and the comparator that judges them."""

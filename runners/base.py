@@ -1,0 +1,106 @@
+"""The one interface every backend implements, and the feed check they share.
+
+A runner has a name, the device/provider it really ran on, and
+run(inputs) -> {output name: numpy array}; it records the last run's time.
+Feeds are checked against the model's declared inputs before any backend sees
+them, so a bad feed is an InputError naming the input, never a backend crash.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from toolkit.errors import InputError
+
+
+class Runner:
+    name: str = "runner"
+    device: str = "unknown"
+
+    def __init__(self, input_specs: list[dict], output_names: list[str], config=None):
+        self.input_specs = input_specs
+        self.output_names = list(output_names)
+        self.config = config
+        self.last_inference_time: float | None = None
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed = check_feed(self.input_specs, inputs, self.config)
+        start = time.perf_counter()
+        outputs = self._infer(feed)
+        self.last_inference_time = time.perf_counter() - start
+        return outputs
+
+    def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+def check_feed(specs: list[dict], inputs: dict, config=None) -> dict[str, np.ndarray]:
+    """Validate names, dtypes, ranks, fixed and symbolic dims, sizes and values of a feed."""
+    if not isinstance(inputs, dict):
+        raise InputError(f"inputs: expected a mapping of input name to array, got {type(inputs).__name__}")
+    expected = [s["name"] for s in specs]
+    missing = [n for n in expected if n not in inputs]
+    extra = [n for n in inputs if n not in expected]
+    if missing or extra:
+        raise InputError(
+            f"inputs: expected names {expected}, got {sorted(inputs)}"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; unexpected {extra}" if extra else "")
+        )
+    symbols: dict[str, tuple[int, str]] = {}
+    feed = {}
+    for spec in specs:
+        name, array = spec["name"], inputs[spec["name"]]
+        if not isinstance(array, np.ndarray):
+            raise InputError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
+        if array.dtype != np.dtype(spec["dtype"]):
+            raise InputError(f"input {name!r}: expected dtype {spec['dtype']}, got {array.dtype}; cast it first")
+        shape = spec["shape"]
+        if array.ndim != len(shape):
+            raise InputError(
+                f"input {name!r}: expected rank {len(shape)} {_fmt(shape)}, got rank {array.ndim} {tuple(array.shape)}"
+            )
+        for axis, (want, got) in enumerate(zip(shape, array.shape)):
+            if got < 1:
+                raise InputError(f"input {name!r}: axis {axis} ({want}) is empty; every axis needs at least 1 element")
+            if isinstance(want, int) and want > 0 and got != want:
+                raise InputError(f"input {name!r}: axis {axis} expected size {want}, got {got} (shape {tuple(array.shape)})")
+            if isinstance(want, str):
+                seen = symbols.setdefault(want, (got, name))
+                if seen[0] != got:
+                    raise InputError(
+                        f"input {name!r}: axis {axis} ({want}) is {got} but input {seen[1]!r} has {want}={seen[0]}"
+                    )
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            bad = np.argwhere(~np.isfinite(array))
+            raise InputError(
+                f"input {name!r}: {len(bad)} non-finite value(s) (NaN/Inf), first at index {tuple(int(i) for i in bad[0])}"
+            )
+        feed[name] = array
+    if config is not None:
+        _check_against_config(feed, symbols, config)
+    return feed
+
+
+def _check_against_config(feed, symbols, config) -> None:
+    sequence = symbols.get("sequence", (0, ""))[0]
+    if sequence > config.max_positions:
+        raise InputError(
+            f"input {symbols['sequence'][1]!r}: sequence length {sequence} exceeds max_positions="
+            f"{config.max_positions}; shorten the input"
+        )
+    ids = feed.get("input_ids")
+    if ids is not None and hasattr(config, "vocab_size"):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= config.vocab_size:
+            bad = lo if lo < 0 else hi
+            where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
+            raise InputError(
+                f"input 'input_ids': token id {bad} at index {where} is outside [0, {config.vocab_size})"
+            )
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"

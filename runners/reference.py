@@ -1,0 +1,21 @@
+"""The ONNX reference evaluator: pure Python, independent of ONNX Runtime."""
+
+from __future__ import annotations
+
+from onnx.reference import ReferenceEvaluator
+
+from runners.base import Runner
+
+
+class ReferenceRunner(Runner):
+    name = "onnx-reference"
+    device = "onnx.reference (python)"
+
+    def __init__(self, model_proto, input_specs, output_names, config=None):
+        super().__init__(input_specs, output_names, config)
+        # The model's local functions (the custom ops' bodies) are evaluated from the proto itself.
+        self.evaluator = ReferenceEvaluator(model_proto)
+
+    def _infer(self, feed):
+        values = self.evaluator.run(self.output_names, feed)
+        return dict(zip(self.output_names, values))

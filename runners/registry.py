@@ -1,0 +1,53 @@
+"""Backend names -> runners. Unknown or unavailable backends are errors that list what exists."""
+
+from __future__ import annotations
+
+import torch
+
+from runners.eager import eager_runner
+from runners.ort import PROVIDERS, OrtRunner, SessionLoader, available_providers
+from runners.reference import ReferenceRunner
+from toolkit.artifacts import Artifact, load_onnx
+from toolkit.errors import BackendUnavailableError
+
+BACKENDS = {
+    "eager": "PyTorch eager, float32 (the export dtype)",
+    "eager-f64": "PyTorch eager, float64 (the reference oracle)",
+    "ort-cpu": "ONNX Runtime, CPUExecutionProvider",
+    "ort-cuda": "ONNX Runtime, CUDAExecutionProvider",
+    "onnx-reference": "onnx.reference.ReferenceEvaluator (pure Python)",
+}
+DEFAULT_BACKENDS = ("eager", "ort-cpu", "onnx-reference")
+
+
+def available_backends() -> list[str]:
+    providers = available_providers()
+    return [
+        name for name in BACKENDS if name not in PROVIDERS or PROVIDERS[name] in providers
+    ]
+
+
+def check_backend(name: str) -> None:
+    available = available_backends()
+    if name not in BACKENDS:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}; available here: {', '.join(available)}"
+        )
+    if name not in available:
+        raise BackendUnavailableError(
+            f"backend {name!r} ({BACKENDS[name]}) is not available on this machine; "
+            f"available here: {', '.join(available)}"
+        )
+
+
+def create_runner(name: str, artifact: Artifact, model_proto=None):
+    """Build the runner called `name` for `artifact`; model_proto avoids re-reading the file."""
+    check_backend(name)
+    specs, outputs, config = artifact.input_specs, artifact.output_names, artifact.config()
+    if name in ("eager", "eager-f64"):
+        dtype = torch.float32 if name == "eager" else torch.float64
+        return eager_runner(artifact, dtype, name, model_proto)
+    if name in PROVIDERS:
+        return OrtRunner(SessionLoader(artifact.model_path, PROVIDERS[name]), specs, outputs, config, name=name)
+    proto = model_proto if model_proto is not None else load_onnx(artifact.model_path)
+    return ReferenceRunner(proto, specs, outputs, config)
