@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def _trace(wrapper: nn.Module, fam, config, specs, names) -> onnx.ModelProto:
         dims[1] = torch.export.Dim("sequence", min=1, max=config.max_positions)
     dynamic_shapes = (tuple(dict(dims) for _ in specs),)  # one entry: the wrapper's *inputs
     captured = io.StringIO()
+    # torch.onnx narrates its steps on stdout and logs optional-dependency notices; users see our summary instead.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
             warnings.simplefilter("ignore")

@@ -1,0 +1,27 @@
+"""Shared fixtures: exports are the slow part, so each preset/variant is exported once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporters.onnx_export import export_model
+from toolkit.artifacts import load_artifact
+from toolkit.configs import get_preset
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """exported(preset_name, variant="stages") -> Artifact, cached for the session."""
+    cache = {}
+
+    def get(preset: str, variant: str = "stages"):
+        key = (preset, variant)
+        if key not in cache:
+            spec = get_preset(preset)
+            out = tmp_path_factory.mktemp(f"{preset}-{variant}") / "artifact"
+            export_model(spec.build(), spec.family, spec.config, out, variant=variant, preset=spec.name,
+                         seed=spec.seed)
+            cache[key] = load_artifact(out)
+        return cache[key]
+
+    return get

@@ -1,0 +1,38 @@
+"""`toolkit`: a thin click layer over the library; each command lives in toolkit/commands/."""
+
+from __future__ import annotations
+
+import click
+
+from toolkit import __version__
+from toolkit.errors import ToolkitError
+
+
+class UserError(click.ClickException):
+    """A ToolkitError at the CLI edge: one line on stderr, exit status 2 (1 means "backends disagree")."""
+
+    exit_code = 2
+
+
+class ToolkitGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except ToolkitError as exc:
+            raise UserError(str(exc)) from None
+
+
+@click.group(cls=ToolkitGroup)
+@click.version_option(__version__, prog_name="toolkit")
+def main():
+    """Export transformer decoders to ONNX and cross-check every backend against PyTorch."""
+
+
+def _register() -> None:
+    from toolkit.commands import check, export, inspect, presets, run, trace
+
+    for module in (export, check, run, trace, inspect, presets):
+        main.add_command(module.command)
+
+
+_register()

@@ -1,0 +1,56 @@
+"""`toolkit check`: cross-check backends stage by stage; the exit status is the verdict."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import click
+
+from exporters.onnx_export import export_model
+from runners.registry import DEFAULT_BACKENDS, check_backend
+from toolkit.artifacts import load_artifact
+from toolkit.check import cross_check
+from toolkit.commands.common import load_npz, split_backends, write_text_atomically
+from toolkit.configs import get_preset
+from toolkit.errors import ConfigError
+from toolkit.reports import text_table, to_json, to_junit
+
+
+@click.command("check")
+@click.argument("artifact_dir", required=False, type=click.Path())
+@click.option("--preset", help="Export this preset to a temporary directory and check it (instead of ARTIFACT_DIR).")
+@click.option("--backends", default=",".join(DEFAULT_BACKENDS), show_default=True, help="Comma-separated backends.")
+@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), help=".npz feed (default: preset/random).")
+@click.option("--batch", type=int, help="Batch size of the random feed.")
+@click.option("--seq-len", type=int, help="Sequence length of the random feed.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Write the JSON report here.")
+@click.option("--junit", "junit_file", type=click.Path(dir_okay=False), help="Write a JUnit XML report here.")
+def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, json_file, junit_file):
+    """Compare every backend with the float64 eager oracle; exit 0 only if all match.
+
+    With no ARTIFACT_DIR the built-in worked example is exported to a temporary
+    directory and checked. Exit status: 0 all match, 1 a backend diverges, 2 usage error.
+    """
+    names = split_backends(backends)
+    for name in names:
+        check_backend(name)  # before any export, so a typo costs nothing
+    inputs = load_npz(inputs_file) if inputs_file else None
+    if artifact_dir and preset:
+        raise ConfigError("give either ARTIFACT_DIR or --preset, not both")
+    with tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:
+        if artifact_dir is None:
+            spec = get_preset(preset or "worked-example")
+            artifact_dir = Path(tmp) / spec.name
+            export_model(spec.build(), spec.family, spec.config, artifact_dir, preset=spec.name, seed=spec.seed)
+            click.echo(f"exported preset {spec.name!r} to a temporary directory")
+        report = cross_check(load_artifact(artifact_dir), names, inputs=inputs, batch=batch, sequence=seq_len,
+                             seed=seed)
+    click.echo(text_table(report))
+    if json_file:
+        write_text_atomically(json_file, to_json(report))
+    if junit_file:
+        write_text_atomically(junit_file, to_junit(report))
+    if not report.passed:
+        click.get_current_context().exit(1)

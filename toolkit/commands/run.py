@@ -1,0 +1,36 @@
+"""`toolkit run`: run one backend on an artifact and print or save its outputs."""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+
+from runners.registry import create_runner
+from toolkit.artifacts import load_artifact
+from toolkit.check import default_inputs
+from toolkit.commands.common import load_npz, save_npz_atomically
+
+
+@click.command("run")
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--backend", required=True, help="Backend name, e.g. ort-cpu (see `toolkit check --help`).")
+@click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), help=".npz feed (default: preset/random).")
+@click.option("--save", "save_file", type=click.Path(dir_okay=False), help="Write every output to this .npz.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
+def command(artifact_dir, backend, inputs_file, save_file, seed):
+    """Run ARTIFACT_DIR on one backend."""
+    artifact = load_artifact(artifact_dir)
+    runner = create_runner(backend, artifact)
+    if inputs_file:
+        inputs, source = load_npz(inputs_file), inputs_file
+    else:
+        inputs, source = default_inputs(artifact, None, None, seed)
+    outputs = runner.run(inputs)
+    click.echo(f"{runner.name} on {runner.device}: {runner.last_inference_time * 1e3:.2f} ms, inputs {source}")
+    for name, value in outputs.items():
+        flat = np.asarray(value).ravel()
+        preview = ", ".join(f"{x:.4g}" for x in flat[:4]) + (", ..." if flat.size > 4 else "")
+        click.echo(f"  {name:<30} {str(value.dtype):<8} {'x'.join(map(str, value.shape)):<12} [{preview}]")
+    if save_file:
+        save_npz_atomically(save_file, outputs)
+        click.echo(f"saved {len(outputs)} outputs to {save_file}")
