@@ -28,28 +28,37 @@ from toolkit import artifacts
 from toolkit.errors import ExportError
 
 VARIANTS = ("stages", "serving")
-# Traced sample sizes: 2 rather than 1 so torch.export keeps the axes symbolic.
 SAMPLE_BATCH, SAMPLE_SEQUENCE = 2, 3
 
 
 class _NamedOutputs(nn.Module):
-    """Wraps a stage-dict model so the traced graph returns exactly `names`, in order."""
+    """Wraps one graph of a stage-dict model so the traced graph returns exactly `names`, in order."""
 
-    def __init__(self, model: nn.Module, names: tuple[str, ...]):
+    def __init__(self, model: nn.Module, run, names: tuple[str, ...]):
         super().__init__()
         self.model = model
+        self.run = run
         self.names = names
 
     def forward(self, *inputs):
-        stages = self.model(*inputs)
+        stages = self.run(self.model, *inputs)
         return tuple(stages[name] for name in self.names)
 
 
-def output_names(family: str, config, variant: str) -> tuple[str, ...]:
+def graph_outputs(graph, variant: str) -> tuple[str, ...]:
     if variant not in VARIANTS:
         raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-    stages = get_family(family).stage_names(config)
-    return stages if variant == "stages" else ("logits",)
+    return graph.stages if variant == "stages" else graph.serving
+
+
+def output_names(family: str, config, variant: str) -> tuple[str, ...]:
+    """Every graph output of an export of `family`, graphs in order."""
+    return tuple(n for g in get_family(family).graphs(config) for n in graph_outputs(g, variant))
+
+
+def graph_file(family, graph) -> str:
+    """model.onnx for single-graph families, <graph>.onnx otherwise."""
+    return artifacts.MODEL_FILE if graph.name == "model" else f"{graph.name}.onnx"
 
 
 def export_model(
@@ -62,17 +71,31 @@ def export_model(
     preset: str | None = None,
     seed: int | None = None,
 ) -> artifacts.Artifact:
-    """Export `model` to `out_dir` (model.onnx + manifest.json) and return the loaded artifact."""
+    """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact."""
     fam = get_family(family)
-    names = output_names(family, config, variant)
-    specs = fam.input_specs(config)
+    if variant not in VARIANTS:
+        raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     model = model.to(torch.float32).eval()
-    proto = _trace(_NamedOutputs(model, names), fam, config, specs, names)
-
-    used = {n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN}
-    proto.functions.extend(function_protos(used))
-    if not any(o.domain == CUSTOM_DOMAIN for o in proto.opset_import):
-        proto.opset_import.append(onnx.helper.make_opsetid(CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION))
+    protos, entries, used = {}, [], set()
+    for graph in fam.graphs(config):
+        names = graph_outputs(graph, variant)
+        proto = _trace(_NamedOutputs(model, graph.run, names), config, graph, names)
+        graph_used = {n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN}
+        proto.functions.extend(function_protos(graph_used))
+        if not any(o.domain == CUSTOM_DOMAIN for o in proto.opset_import):
+            proto.opset_import.append(onnx.helper.make_opsetid(CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION))
+        used |= graph_used
+        protos[graph.name] = proto
+        entries.append({
+            "name": graph.name,
+            "file": graph_file(family, graph),
+            "inputs": [s.to_dict() for s in graph.inputs],
+            "outputs": _value_specs(proto.graph.output),
+            "stages": list(names),
+            "custom_ops": sorted(graph_used),
+            "weights": _weight_map(model, proto),
+        })
+    _check_weights_covered(model, entries)
 
     manifest = {
         "format": artifacts.FORMAT,
@@ -85,41 +108,48 @@ def export_model(
         "opset": OPSET,
         "custom_domains": {CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION},
         "custom_ops": sorted(used),
-        "inputs": [s.to_dict() for s in specs],
-        "outputs": _value_specs(proto.graph.output),
-        "stages": list(names),
-        "weights": _weight_map(model, proto),
+        "graphs": entries,
         "versions": _versions(),
     }
-    del proto.metadata_props[:]
-    proto.metadata_props.add(key=artifacts.METADATA_KEY, value=json.dumps(manifest, sort_keys=True))
-    proto.producer_name = "onnx-toolkit"
-    try:
-        onnx.checker.check_model(proto, full_check=True)
-        proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise ExportError(f"exported graph failed the ONNX checker: {exc}") from None
-
-    data = proto.SerializeToString()
-    manifest["model_sha256"] = artifacts.sha256_bytes(data)
-    files = {
-        artifacts.MODEL_FILE: data,
-        artifacts.MANIFEST_FILE: (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(),
-    }
+    files = {}
+    for entry in entries:
+        proto = protos[entry["name"]]
+        del proto.metadata_props[:]
+        embedded = dict(manifest, graph=entry["name"])
+        proto.metadata_props.add(key=artifacts.METADATA_KEY, value=json.dumps(embedded, sort_keys=True))
+        proto.producer_name = "onnx-toolkit"
+        try:
+            onnx.checker.check_model(proto, full_check=True)
+            proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+            raise ExportError(f"exported {entry['name']} graph failed the ONNX checker: {exc}") from None
+        data = proto.SerializeToString()
+        entry["sha256"] = artifacts.sha256_bytes(data)
+        files[entry["file"]] = data
+    files[artifacts.MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     artifacts.write_artifact(Path(out_dir), files, verify=artifacts.load_artifact)
     return artifacts.load_artifact(out_dir)
 
 
-def _trace(wrapper: nn.Module, fam, config, specs, names) -> onnx.ModelProto:
+def _trace(wrapper: nn.Module, config, graph, names) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
-    sequence = min(SAMPLE_SEQUENCE, config.max_positions)
-    sample = fam.random_inputs(config, SAMPLE_BATCH, sequence, rng)
-    args = tuple(torch.from_numpy(sample[s.name]).to(_torch_dtype(s.dtype)) for s in specs)
-    batch = torch.export.Dim("batch", min=1)
-    dims = {0: batch}
-    if sequence > 1:  # a window of one position cannot have a symbolic length
-        dims[1] = torch.export.Dim("sequence", min=1, max=config.max_positions)
-    dynamic_shapes = (tuple(dict(dims) for _ in specs),)  # one entry: the wrapper's *inputs
+    # Traced sizes differ per axis name (and are >= 2) so torch.export keeps each axis symbolic and distinct.
+    sizes = {"batch": SAMPLE_BATCH, "sequence": SAMPLE_SEQUENCE, "source_sequence": SAMPLE_SEQUENCE + 1}
+    sizes = {k: min(v, config.max_positions) if k != "batch" else v for k, v in sizes.items()}
+    dims = {"batch": torch.export.Dim("batch", min=1)}
+    for axis in ("sequence", "source_sequence"):
+        if sizes[axis] > 1:  # a window of one position cannot have a symbolic length
+            dims[axis] = torch.export.Dim(axis, min=1, max=config.max_positions)
+    args, shapes = [], []
+    for spec in graph.inputs:
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
+        if spec.dtype == "int64":
+            value = torch.from_numpy(rng.integers(0, config.vocab_size, size=shape, dtype=np.int64))
+        else:
+            value = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        args.append(value)
+        shapes.append({axis: dims[d] for axis, d in enumerate(spec.shape) if isinstance(d, str) and d in dims})
+    dynamic_shapes = (tuple(shapes),)  # one entry: the wrapper's *inputs
     captured = io.StringIO()
     # torch.onnx narrates its steps on stdout and logs optional-dependency notices; users see our summary instead.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -128,18 +158,17 @@ def _trace(wrapper: nn.Module, fam, config, specs, names) -> onnx.ModelProto:
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 wrapper,
-                args,
+                tuple(args),
                 dynamo=True,
                 opset_version=OPSET,
-                input_names=[s.name for s in specs],
+                input_names=[s.name for s in graph.inputs],
                 output_names=list(names),
                 dynamic_shapes=dynamic_shapes,
                 optimize=True,
                 verify=False,
             )
     except Exception as exc:  # torch.onnx raises many types; all mean the same to the user
-        detail = _summary(exc)
-        raise ExportError(f"torch.onnx.export failed: {detail}") from exc
+        raise ExportError(f"torch.onnx.export failed for the {graph.name} graph: {_summary(exc)}") from exc
     return program.model_proto
 
 
@@ -150,10 +179,6 @@ def _summary(exc: BaseException) -> str:
         root = root.__cause__
     lines = [line.strip() for line in str(root).splitlines() if line.strip()]
     return f"{type(root).__name__}: {lines[0] if lines else 'no message'}"
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "int64": torch.int64}[name]
 
 
 def _value_specs(values) -> list[dict]:
@@ -167,11 +192,12 @@ def _value_specs(values) -> list[dict]:
 
 
 def _weight_map(model: nn.Module, proto: onnx.ModelProto) -> dict[str, dict]:
-    """Where each torch weight lives in the graph: {name: {"initializer", "transpose"}}.
+    """Where each torch weight used by this graph lives: {name: {"initializer", "transpose"}}.
 
     The exporter's optimiser may fold a Linear's transpose into a fresh
     initializer, so weights are found by exact bytes (as stored or transposed),
-    which lets the eager reference be rebuilt from the .onnx file alone.
+    which lets the eager reference be rebuilt from the .onnx files alone.
+    Weights a graph does not use (the decoder's, in the encoder graph) are absent.
     """
     by_bytes: dict[tuple, str] = {}
     for init in proto.graph.initializer:
@@ -186,13 +212,18 @@ def _weight_map(model: nn.Module, proto: onnx.ModelProto) -> dict[str, dict]:
             flipped = np.ascontiguousarray(array.T)
             found = by_bytes.get((flipped.dtype.str, flipped.shape, flipped.tobytes()))
             transpose = found is not None
-        if found is None:
-            raise ExportError(
-                f"weight {name!r} {tuple(array.shape)} has no matching initializer in the exported graph; "
-                "the exporter rewrote it, so the eager reference could not be rebuilt from the file"
-            )
-        mapping[name] = {"initializer": found, "transpose": transpose}
+        if found is not None:
+            mapping[name] = {"initializer": found, "transpose": transpose}
     return mapping
+
+
+def _check_weights_covered(model: nn.Module, entries: list[dict]) -> None:
+    for name, tensor in model.state_dict().items():
+        if not any(name in entry["weights"] for entry in entries):
+            raise ExportError(
+                f"weight {name!r} {tuple(tensor.shape)} has no matching initializer in any exported graph; "
+                "the exporter rewrote or dropped it, so the eager reference could not be rebuilt from the files"
+            )
 
 
 def _versions() -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 Pre-norm (default):  h = x + attn(norm_a(x));  y = h + ffn(norm_f(h))
 Post-norm (2017):    h = norm_a(x + attn(x));  y = norm_f(h + ffn(h))
+(the placement itself lives in models.layers.Block)
 """
 
 from __future__ import annotations
@@ -13,28 +14,12 @@ import torch
 import torch.nn as nn
 
 from models import validation as v
-from models.ops import apply_rope, causal_attention, rms_norm, rope_inverse_frequencies, swiglu
+from models.layers import Attention, Block, RMSNorm, SwiGLU, stage_names
 from toolkit.errors import InputError
 
-BLOCK_STAGES = (
-    "attention_norm",
-    "attention_weights",
-    "attention_branch",
-    "after_attention",
-    "feed_forward_norm",
-    "feed_forward_branch",
-    "output",
-)
+BLOCK_STAGES = stage_names("pre", cross=False)
 # Post-norm computes the branches before the norms; stage order follows computation.
-POST_NORM_STAGES = (
-    "attention_weights",
-    "attention_branch",
-    "attention_norm",
-    "after_attention",
-    "feed_forward_branch",
-    "feed_forward_norm",
-    "output",
-)
+POST_NORM_STAGES = stage_names("post", cross=False)
 
 
 @dataclass
@@ -104,100 +89,22 @@ class ProbedBlockConfig(BlockConfig):
         super().__post_init__()
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: BlockConfig):
-        super().__init__()
-        self.config = config
-        kv_width = config.kv_heads * config.head_width
-        self.q_proj = nn.Linear(config.width, config.width, bias=False)
-        self.k_proj = nn.Linear(config.width, kv_width, bias=False)
-        self.v_proj = nn.Linear(config.width, kv_width, bias=False)
-        self.o_proj = nn.Linear(config.width, config.width, bias=False)
-        self.register_buffer(
-            "inv_freq", rope_inverse_frequencies(config.head_width, config.rope_base), persistent=False
-        )
-
-    def forward(self, x: torch.Tensor, position_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, d = x.shape
-        c = self.config
-        q = self.q_proj(x).view(B, T, c.heads, c.head_width).transpose(1, 2)  # (B, heads, T, head_width)
-        k = self.k_proj(x).view(B, T, c.kv_heads, c.head_width).transpose(1, 2)  # (B, kv_heads, T, head_width)
-        v_ = self.v_proj(x).view(B, T, c.kv_heads, c.head_width).transpose(1, 2)  # (B, kv_heads, T, head_width)
-        positions = torch.arange(T, device=x.device) + position_offset
-        q = apply_rope(q, positions, self.inv_freq, c.rope_pairing)
-        k = apply_rope(k, positions, self.inv_freq, c.rope_pairing)
-        out, probs = causal_attention(q, k, v_)
-        out = out.transpose(1, 2).reshape(B, T, d)  # (B, T, width)
-        return self.o_proj(out), probs
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, width: int, ff_width: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(width, ff_width, bias=False)
-        self.up_proj = nn.Linear(width, ff_width, bias=False)
-        self.down_proj = nn.Linear(ff_width, width, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-
-
-class DecoderBlock(nn.Module):
-    """One LLaMA-style block; forward returns every stage by name, in computation order."""
+class DecoderBlock(Block):
+    """One LLaMA-style block: RMSNorm, RoPE attention (MHA or GQA), SwiGLU; stages by name."""
 
     def __init__(self, config: BlockConfig):
         super().__init__()
         self.config = config
+        self.placement = config.norm_placement
         # Definition order fixes parameter order: norm_a, q, k, v, o, norm_f, gate, up, down.
         self.attention_norm = RMSNorm(config.width, config.eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config.width, config.heads, config.kv_heads, causal=True,
+                                   rope_base=config.rope_base, rope_pairing=config.rope_pairing)
         self.feed_forward_norm = RMSNorm(config.width, config.eps)
         self.feed_forward = SwiGLU(config.width, config.ff_width)
 
     def forward(self, x: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
-        if self.config.norm_placement == "post":
-            return self._forward_post(x, position_offset)
-        attention_norm = self.attention_norm(x)
-        attention_branch, attention_weights = self.attention(attention_norm, position_offset)
-        h = x + attention_branch
-        feed_forward_norm = self.feed_forward_norm(h)
-        feed_forward_branch = self.feed_forward(feed_forward_norm)
-        out = h + feed_forward_branch
-        return {
-            "attention_norm": attention_norm,
-            "attention_weights": attention_weights,
-            "attention_branch": attention_branch,
-            "after_attention": h,
-            "feed_forward_norm": feed_forward_norm,
-            "feed_forward_branch": feed_forward_branch,
-            "output": out,
-        }
-
-    def _forward_post(self, x: torch.Tensor, position_offset: int) -> dict[str, torch.Tensor]:
-        attention_branch, attention_weights = self.attention(x, position_offset)
-        h = self.attention_norm(x + attention_branch)
-        feed_forward_branch = self.feed_forward(h)
-        out = self.feed_forward_norm(h + feed_forward_branch)
-        # In post-norm the norm output *is* the residual stream, so the two names share a value.
-        return {
-            "attention_weights": attention_weights,
-            "attention_branch": attention_branch,
-            "attention_norm": h,
-            "after_attention": h,
-            "feed_forward_branch": feed_forward_branch,
-            "feed_forward_norm": out,
-            "output": out,
-        }
+        return super().forward(x, None, position_offset)
 
 
 class ProbedBlock(nn.Module):

@@ -64,12 +64,13 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T / sqrt(head_width) + causal mask) v, returning (output, probabilities).
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(head_width) [+ causal mask]) v, returning (output, probabilities).
 
-    q: (B, heads, T_q, head_width); k, v: (B, kv_heads, T_k, head_width) with T_k >= T_q:
-    the last T_q keys are the queries' own positions, earlier ones are cached.
-    Future keys get -inf so their probabilities are exactly 0.
+    q: (B, heads, T_q, head_width); k, v: (B, kv_heads, T_k, head_width), kv_heads dividing heads
+    (grouped-query attention repeats each K/V head for heads/kv_heads query heads).
+    With causal=True, T_k >= T_q and the last T_q keys are the queries' own positions
+    (earlier ones are cached); future keys get -inf so their probabilities are exactly 0.
     """
     _, heads, t_q, head_width = q.shape
     kv_heads, t_k = k.shape[1], k.shape[2]
@@ -77,8 +78,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
         k = k.repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, T_k, head_width)
         v = v.repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, T_k, head_width)
     scores = (q @ k.transpose(-2, -1)) * (head_width**-0.5)  # (B, heads, T_q, T_k)
-    query_pos = torch.arange(t_q, device=q.device) + (t_k - t_q)
-    key_pos = torch.arange(t_k, device=q.device)
-    future = key_pos[None, :] > query_pos[:, None]  # (T_q, T_k)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+    if causal:
+        query_pos = torch.arange(t_q, device=q.device) + (t_k - t_q)
+        key_pos = torch.arange(t_k, device=q.device)
+        future = key_pos[None, :] > query_pos[:, None]  # (T_q, T_k)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = scores.softmax(dim=-1)
     return probs @ v, probs
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention(q, k, v, causal=True)."""
+    return attention(q, k, v, causal=True)

@@ -1,7 +1,9 @@
-"""Model families: which config dataclass, which module, which inputs.
+"""Model families: which config dataclass, which module, which graphs and inputs.
 
 Everything downstream (export, runners, CLI) goes through a Family, so a new
-architecture is one more entry here rather than a special case elsewhere.
+architecture is one more entry here rather than a special case elsewhere. A
+family exports one graph ("model") or several (the encoder-decoder exports an
+"encoder" and a "decoder" graph; the decoder takes `encoder_output` as input).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from models.llama import BlockConfig, Decoder, DecoderConfig, ProbedBlock, ProbedBlockConfig
+from models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig, decoder_stage_names, encoder_stage_names
+from models.gpt import GPT, GPTConfig
+from models.gpt import parameter_formula as gpt_parameter_formula
+from models.layers import swiglu_width
+from models.llama import Decoder, DecoderConfig, ProbedBlock, ProbedBlockConfig
 from toolkit.errors import ConfigError
 
 
@@ -29,31 +35,103 @@ class InputSpec:
 
 
 @dataclass(frozen=True)
+class GraphSpec:
+    """One exported graph: its inputs, its stage outputs in order, and how eager computes them."""
+
+    name: str
+    inputs: tuple[InputSpec, ...]
+    stages: tuple[str, ...]
+    serving: tuple[str, ...]  # the outputs of the serving variant
+    run: Callable[..., dict]  # (model, *inputs in spec order) -> {stage: tensor}
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     description: str
     config_cls: type
     module_cls: Callable[..., nn.Module]
-    input_specs: Callable[[BlockConfig], tuple[InputSpec, ...]]
-    random_inputs: Callable[[BlockConfig, int, int, np.random.Generator], dict[str, np.ndarray]]
+    graphs: Callable[[object], tuple[GraphSpec, ...]]
+    random_inputs: Callable[[object, int, int, np.random.Generator], dict[str, np.ndarray]]
+    parameter_formula: Callable[[object], int]
+    switches: Callable[[object], dict]
 
-    def config_from_dict(self, data) -> BlockConfig:
+    def config_from_dict(self, data):
         return self.config_cls.from_dict(data)
 
+    def input_specs(self, config) -> tuple[InputSpec, ...]:
+        """Inputs of the first graph (the only one for single-graph families)."""
+        return self.graphs(config)[0].inputs
+
     def stage_names(self, config) -> tuple[str, ...]:
-        layers = getattr(config, "layers", 1)
-        names = [f"block.{i}.{s}" for i in range(layers) for s in config.stage_names]
-        if self.name == "llama":
-            return ("embed_tokens", *names, "final_norm", "logits")
-        return (*names, "logits")
+        return tuple(name for graph in self.graphs(config) for name in graph.stages)
 
 
-def _hidden_inputs(config: ProbedBlockConfig, batch: int, seq: int, rng: np.random.Generator):
-    return {"hidden_states": rng.standard_normal((batch, seq, config.width))}
+def _block_stages(config, prefix: str = "") -> list[str]:
+    layers = getattr(config, "layers", 1)
+    return [f"{prefix}block.{i}.{s}" for i in range(layers) for s in config.stage_names]
 
 
-def _token_inputs(config: DecoderConfig, batch: int, seq: int, rng: np.random.Generator):
+def _single(inputs, stages, run=lambda model, *args: model(*args)):
+    return (GraphSpec("model", inputs, tuple(stages), ("logits",), run),)
+
+
+def _ids(name="input_ids", axis="sequence"):
+    return InputSpec(name, "int64", ("batch", axis))
+
+
+def _token_inputs(config, batch: int, seq: int, rng: np.random.Generator):
     return {"input_ids": rng.integers(0, config.vocab_size, size=(batch, seq), dtype=np.int64)}
+
+
+def _encoder_decoder_inputs(config, batch: int, seq: int, rng: np.random.Generator):
+    # A source one token longer than the target, so the two lengths are never confused.
+    source = min(seq + 1, config.max_positions)
+    return {
+        "source_ids": rng.integers(0, config.vocab_size, size=(batch, source), dtype=np.int64),
+        "input_ids": rng.integers(0, config.vocab_size, size=(batch, seq), dtype=np.int64),
+    }
+
+
+def _encoder_decoder_graphs(c: EncoderDecoderConfig):
+    memory = InputSpec("encoder_output", "float32", ("batch", "source_sequence", c.width))
+    return (
+        GraphSpec("encoder", (_ids("source_ids", "source_sequence"),), encoder_stage_names(c), ("encoder_output",),
+                  lambda model, source_ids: model.encode(source_ids)),
+        GraphSpec("decoder", (_ids(), memory), decoder_stage_names(c), ("logits",),
+                  lambda model, input_ids, encoder_output: model.decode(input_ids, encoder_output)),
+    )
+
+
+def llama_block_formula(config) -> int:
+    # 2d (two gains) + 2d^2 (Q, O) + 2*d*kv_width (K, V) + 3*d*d_ff (gate, up, down);
+    # with kv_heads == heads this is 2d + 4d^2 + 3*d*d_ff.
+    d, kv_width = config.width, config.kv_heads * config.head_width
+    return 2 * d + 2 * d * d + 2 * d * kv_width + 3 * d * config.ff_width
+
+
+def _llama_formula(c: DecoderConfig) -> int:
+    embeddings = (1 if c.tie_embeddings else 2) * c.vocab_size * c.width  # the head only when untied
+    return embeddings + c.layers * llama_block_formula(c) + c.width
+
+
+def encoder_decoder_formula(c: EncoderDecoderConfig) -> tuple[int, int, int]:
+    """(encoder block, decoder block, whole model) parameter counts from the switches."""
+    d, f = c.width, c.ff_width
+    norm = (2 * d if c.biases else d) if c.norm == "layernorm" else d
+    attention = 4 * d * d + (4 * d if c.biases else 0)
+    ffn = 3 * d * swiglu_width(f) if c.ffn == "swiglu" else 2 * d * f + ((f + d) if c.biases else 0)
+    encoder_block = 2 * norm + attention + ffn
+    decoder_block = 3 * norm + 2 * attention + ffn
+    embeddings_and_head = 3 * c.vocab_size * d  # source and target embeddings, untied head
+    total = (embeddings_and_head + c.encoder_layers * encoder_block + c.decoder_layers * decoder_block + 2 * norm)
+    return encoder_block, decoder_block, total
+
+
+def _llama_switches(c) -> dict:
+    return {"norm": "rmsnorm", "ffn": "swiglu", "positions": f"rope ({c.rope_pairing})",
+            "norm_placement": c.norm_placement, "biases": False,
+            "attention": "mha" if c.kv_heads == c.heads else f"gqa ({c.kv_heads} kv heads)"}
 
 
 FAMILIES: dict[str, Family] = {
@@ -62,16 +140,42 @@ FAMILIES: dict[str, Family] = {
         description="one LLaMA-style decoder block with a fixed linear probe read-out",
         config_cls=ProbedBlockConfig,
         module_cls=ProbedBlock,
-        input_specs=lambda c: (InputSpec("hidden_states", "float32", ("batch", "sequence", c.width)),),
-        random_inputs=_hidden_inputs,
+        graphs=lambda c: _single((InputSpec("hidden_states", "float32", ("batch", "sequence", c.width)),),
+                                 [*_block_stages(c), "logits"]),
+        random_inputs=lambda c, b, t, rng: {"hidden_states": rng.standard_normal((b, t, c.width))},
+        parameter_formula=llama_block_formula,
+        switches=_llama_switches,
     ),
     "llama": Family(
         name="llama",
-        description="stacked LLaMA-style decoder: embedding, blocks, final RMSNorm, vocabulary head",
+        description="stacked LLaMA-style decoder: embedding, RMSNorm/RoPE/SwiGLU blocks, final RMSNorm, head",
         config_cls=DecoderConfig,
         module_cls=Decoder,
-        input_specs=lambda c: (InputSpec("input_ids", "int64", ("batch", "sequence")),),
+        graphs=lambda c: _single((_ids(),), ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
         random_inputs=_token_inputs,
+        parameter_formula=_llama_formula,
+        switches=_llama_switches,
+    ),
+    "gpt": Family(
+        name="gpt",
+        description="GPT-style decoder: learned positions, LayerNorm, GELU MLP with biases, untied head",
+        config_cls=GPTConfig,
+        module_cls=GPT,
+        graphs=lambda c: _single((_ids(),), ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
+        random_inputs=_token_inputs,
+        parameter_formula=gpt_parameter_formula,
+        switches=lambda c: {"norm": "layernorm", "ffn": "gelu", "positions": "learned", "norm_placement": "pre",
+                            "biases": "feed-forward only", "attention": "mha"},
+    ),
+    "encoder-decoder": Family(
+        name="encoder-decoder",
+        description="encoder-decoder with cross-attention; exported as an encoder graph and a decoder graph",
+        config_cls=EncoderDecoderConfig,
+        module_cls=EncoderDecoder,
+        graphs=_encoder_decoder_graphs,
+        random_inputs=_encoder_decoder_inputs,
+        parameter_formula=lambda c: encoder_decoder_formula(c)[2],
+        switches=lambda c: dict(c.switches),
     ),
 }
 
@@ -82,7 +186,7 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def build_model(family: str, config: BlockConfig, seed: int = 0) -> nn.Module:
+def build_model(family: str, config, seed: int = 0) -> nn.Module:
     """Construct and deterministically initialise a model; the caller's RNG state is never touched."""
     fam = get_family(family)
     if not isinstance(config, fam.config_cls):
@@ -96,18 +200,25 @@ def build_model(family: str, config: BlockConfig, seed: int = 0) -> nn.Module:
 
 @torch.no_grad()
 def initialize(model: nn.Module, generator: torch.Generator) -> None:
-    """Seeded init: projections N(0, 1/fan_in), embeddings N(0, 1), gains 1 + N(0, 0.1^2).
+    """Seeded init of every tensor: projections N(0, 1/fan_in), embeddings N(0, 1),
+    gains 1 + N(0, 0.1^2), biases and shifts N(0, 0.1^2).
 
-    Gains are perturbed away from 1 on purpose so a backend that drops a gain fails the check.
+    Gains and biases are perturbed away from 1 and 0 on purpose, so a backend
+    that drops one fails the check.
     """
     seen = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) in seen:  # tied weights are initialised once, under their first name
             continue
         seen.add(id(tensor))
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float64).to(tensor.dtype)
         if name.endswith("norm.weight"):
-            tensor.copy_(1 + 0.1 * torch.randn(tensor.shape, generator=generator))
-        elif name.endswith("embed_tokens.weight") or name == "probe":
-            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+            tensor.copy_(1 + 0.1 * noise)
+        elif name.endswith(".bias"):
+            tensor.copy_(0.1 * noise)
+        elif "embed_" in name or name == "probe":
+            tensor.copy_(noise)
         elif tensor.ndim == 2:
-            tensor.copy_(torch.randn(tensor.shape, generator=generator) / math.sqrt(tensor.shape[1]))
+            tensor.copy_(noise / math.sqrt(tensor.shape[1]))
+        else:
+            raise ConfigError(f"initialize: no rule for tensor {name!r} {tuple(tensor.shape)}")

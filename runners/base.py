@@ -85,21 +85,20 @@ def check_feed(specs: list[dict], inputs: dict, config=None) -> dict[str, np.nda
 
 
 def _check_against_config(feed, symbols, config) -> None:
-    sequence = symbols.get("sequence", (0, ""))[0]
-    if sequence > config.max_positions:
-        raise InputError(
-            f"input {symbols['sequence'][1]!r}: sequence length {sequence} exceeds max_positions="
-            f"{config.max_positions}; shorten the input"
-        )
-    ids = feed.get("input_ids")
-    if ids is not None and hasattr(config, "vocab_size"):
+    for symbol, (length, name) in symbols.items():
+        if symbol.endswith("sequence") and length > config.max_positions:
+            raise InputError(
+                f"input {name!r}: sequence length {length} exceeds max_positions={config.max_positions}; "
+                "shorten the input"
+            )
+    for name, ids in feed.items():
+        if not name.endswith("_ids") or not hasattr(config, "vocab_size"):
+            continue
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= config.vocab_size:
             bad = lo if lo < 0 else hi
             where = tuple(int(i) for i in np.argwhere(ids == bad)[0])
-            raise InputError(
-                f"input 'input_ids': token id {bad} at index {where} is outside [0, {config.vocab_size})"
-            )
+            raise InputError(f"input {name!r}: token id {bad} at index {where} is outside [0, {config.vocab_size})")
 
 
 def _fmt(shape) -> str:

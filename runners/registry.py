@@ -40,14 +40,21 @@ def check_backend(name: str) -> None:
         )
 
 
-def create_runner(name: str, artifact: Artifact, model_proto=None):
-    """Build the runner called `name` for `artifact`; model_proto avoids re-reading the file."""
+def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, protos: dict | None = None,
+                  eager_model=None):
+    """Build the runner called `name` for one graph of `artifact` (the only one by default).
+
+    protos ({graph name: ModelProto}) avoids re-reading files; eager_model reuses a rebuilt model.
+    """
     check_backend(name)
-    specs, outputs, config = artifact.input_specs, artifact.output_names, artifact.config()
+    target = artifact.graph(graph)
+    config = artifact.config()
     if name in ("eager", "eager-f64"):
         dtype = torch.float32 if name == "eager" else torch.float64
-        return eager_runner(artifact, dtype, name, model_proto)
+        model = None if eager_model is None else eager_model.to(dtype)
+        return eager_runner(artifact, dtype, name, target.name, protos, model)
     if name in PROVIDERS:
-        return OrtRunner(SessionLoader(artifact.model_path, PROVIDERS[name]), specs, outputs, config, name=name)
-    proto = model_proto if model_proto is not None else load_onnx(artifact.model_path)
-    return ReferenceRunner(proto, specs, outputs, config)
+        loader = SessionLoader(target.model_path, PROVIDERS[name])
+        return OrtRunner(loader, target.input_specs, target.output_names, config, name=name)
+    proto = (protos or {}).get(target.name) or load_onnx(target.model_path)
+    return ReferenceRunner(proto, target.input_specs, target.output_names, config)

@@ -1,7 +1,9 @@
-"""Artifact directories: `model.onnx` + `manifest.json`, written atomically, loaded defensively.
+"""Artifact directories: ONNX graph files + `manifest.json`, written atomically, loaded defensively.
 
-The manifest is also embedded in the ONNX file's metadata_props (without the
-file hash, which cannot hash itself), so a lone .onnx is self-describing.
+Single-graph families write `model.onnx`; the encoder-decoder writes
+`encoder.onnx` and `decoder.onnx`. The manifest is also embedded in each ONNX
+file's metadata_props (without the file hashes, which cannot hash themselves),
+so a lone single-graph .onnx is self-describing.
 """
 
 from __future__ import annotations
@@ -36,12 +38,33 @@ def sha256_file(path: Path) -> str:
 
 
 @dataclass
+class GraphArtifact:
+    """One ONNX graph of an artifact and its manifest entry."""
+
+    name: str
+    model_path: Path
+    entry: dict
+
+    @property
+    def input_specs(self) -> list[dict]:
+        return self.entry["inputs"]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o["name"] for o in self.entry["outputs"]]
+
+    @property
+    def weights(self) -> dict:
+        return self.entry["weights"]
+
+
+@dataclass
 class Artifact:
-    """A loaded, hash-verified artifact: where it is and what its manifest says."""
+    """A loaded, hash-verified artifact: where it is, its manifest, and its graphs in order."""
 
     directory: Path | None
-    model_path: Path
     manifest: dict
+    graphs: list[GraphArtifact]
 
     @property
     def family(self) -> str:
@@ -51,18 +74,40 @@ class Artifact:
     def variant(self) -> str:
         return self.manifest["variant"]
 
-    @property
-    def output_names(self) -> list[str]:
-        return [o["name"] for o in self.manifest["outputs"]]
-
-    @property
-    def input_specs(self) -> list[dict]:
-        return self.manifest["inputs"]
-
     def config(self):
         from models.registry import get_family
 
         return get_family(self.family).config_from_dict(self.manifest["config"])
+
+    def graph(self, name: str | None = None) -> GraphArtifact:
+        """The named graph; without a name, the only graph of a single-graph artifact."""
+        if name is None:
+            if len(self.graphs) != 1:
+                raise ModelFileError(
+                    f"{self.location}: has graphs {[g.name for g in self.graphs]}; name the one you mean"
+                )
+            return self.graphs[0]
+        for graph in self.graphs:
+            if graph.name == name:
+                return graph
+        raise ModelFileError(f"{self.location}: no graph {name!r}; graphs are {[g.name for g in self.graphs]}")
+
+    @property
+    def location(self) -> str:
+        return str(self.directory if self.directory is not None else self.graphs[0].model_path)
+
+    # Single-graph conveniences.
+    @property
+    def model_path(self) -> Path:
+        return self.graph().model_path
+
+    @property
+    def input_specs(self) -> list[dict]:
+        return self.graph().input_specs
+
+    @property
+    def output_names(self) -> list[str]:
+        return [name for graph in self.graphs for name in graph.output_names]
 
 
 def is_artifact_dir(path: Path) -> bool:
@@ -114,28 +159,34 @@ def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> No
 
 
 def load_artifact(path: str | os.PathLike) -> Artifact:
-    """Load an artifact directory (manifest + model, hash checked) or a lone .onnx file."""
+    """Load an artifact directory (manifest + graphs, hashes checked) or a lone single-graph .onnx file."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or directory; pass an artifact directory from `toolkit export`")
     if path.is_dir():
-        manifest_path, model_path = path / MANIFEST_FILE, path / MODEL_FILE
+        manifest_path = path / MANIFEST_FILE
         if not manifest_path.is_file():
             raise ModelFileError(f"{path}: missing {MANIFEST_FILE}; is this a `toolkit export` directory?")
-        if not model_path.is_file():
-            raise ModelFileError(f"{path}: missing {MODEL_FILE}; re-run `toolkit export`")
         try:
             manifest = json.loads(manifest_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelFileError(f"{manifest_path}: not valid JSON ({exc}); re-run `toolkit export`") from None
         _check_manifest(manifest, manifest_path)
-        actual = sha256_file(model_path)
-        if actual != manifest["model_sha256"]:
-            raise ModelFileError(
-                f"{model_path}: sha256 {actual[:12]}… does not match the manifest's "
-                f"{manifest['model_sha256'][:12]}…; the model was modified or corrupted, re-run `toolkit export`"
-            )
-        return Artifact(directory=path, model_path=model_path, manifest=manifest)
+        graphs = []
+        for entry in manifest["graphs"]:
+            model_path = path / entry["file"]
+            if Path(entry["file"]).name != entry["file"]:
+                raise ModelFileError(f"{manifest_path}: graph file {entry['file']!r} must be a plain file name")
+            if not model_path.is_file():
+                raise ModelFileError(f"{path}: missing {entry['file']}; re-run `toolkit export`")
+            actual = sha256_file(model_path)
+            if actual != entry["sha256"]:
+                raise ModelFileError(
+                    f"{model_path}: sha256 {actual[:12]}… does not match the manifest's {entry['sha256'][:12]}…; "
+                    "the model was modified or corrupted, re-run `toolkit export`"
+                )
+            graphs.append(GraphArtifact(entry["name"], model_path, entry))
+        return Artifact(directory=path, manifest=manifest, graphs=graphs)
     model = load_onnx(path)
     props = {p.key: p.value for p in model.metadata_props}
     if METADATA_KEY not in props:
@@ -145,7 +196,13 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     except json.JSONDecodeError as exc:
         raise ModelFileError(f"{path}: embedded manifest is not valid JSON ({exc})") from None
     _check_manifest(manifest, path, needs_hash=False)
-    return Artifact(directory=None, model_path=path, manifest=manifest)
+    if len(manifest["graphs"]) != 1:
+        raise ModelFileError(
+            f"{path}: is the {manifest.get('graph')!r} graph of a {len(manifest['graphs'])}-graph artifact; "
+            "pass the artifact directory instead"
+        )
+    entry = manifest["graphs"][0]
+    return Artifact(directory=None, manifest=manifest, graphs=[GraphArtifact(entry["name"], path, entry)])
 
 
 def load_onnx(path: Path):
@@ -166,9 +223,13 @@ def _check_manifest(manifest, where, needs_hash: bool = True) -> None:
             f"{where}: manifest format_version {manifest.get('format_version')!r} is not supported "
             f"(this toolkit reads {FORMAT_VERSION}); re-export with this version"
         )
-    required = ["family", "variant", "config", "inputs", "outputs", "weights"]
-    if needs_hash:
-        required.append("model_sha256")
-    for key in required:
+    for key in ("family", "variant", "config", "graphs"):
         if key not in manifest:
             raise ModelFileError(f"{where}: manifest lacks the {key!r} field; re-run `toolkit export`")
+    graph_keys = ["name", "file", "inputs", "outputs", "weights"] + (["sha256"] if needs_hash else [])
+    if not isinstance(manifest["graphs"], list) or not manifest["graphs"]:
+        raise ModelFileError(f"{where}: manifest 'graphs' must be a non-empty list; re-run `toolkit export`")
+    for entry in manifest["graphs"]:
+        missing = [k for k in graph_keys if not isinstance(entry, dict) or k not in entry]
+        if missing:
+            raise ModelFileError(f"{where}: a graph entry lacks {missing}; re-run `toolkit export`")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import platform
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from models.registry import get_family
 from runners.compare import Comparison, ToleranceConfig, compare
+from runners.eager import model_from_artifact
 from runners.registry import DEFAULT_BACKENDS, check_backend, create_runner
 from toolkit.artifacts import Artifact, load_onnx
 from toolkit.configs import PRESETS
@@ -88,7 +91,11 @@ class CheckReport:
 
 
 def default_inputs(artifact: Artifact, batch: int | None, sequence: int | None, seed: int) -> tuple[dict, str]:
-    """The preset's fixed inputs when it has them and no size was asked for, else seeded random ones."""
+    """The preset's fixed inputs when it has them and no size was asked for, else seeded random ones.
+
+    Only external inputs are made: a graph input produced by an earlier graph
+    (the decoder's `encoder_output`) is not.
+    """
     preset = PRESETS.get(artifact.manifest.get("preset") or "")
     if preset is not None and preset.inputs is not None and batch is None and sequence is None:
         return _cast_to_specs(preset.inputs(), artifact), f"fixed inputs of preset {preset.name!r}"
@@ -106,7 +113,19 @@ def default_inputs(artifact: Artifact, batch: int | None, sequence: int | None, 
 
 
 def _cast_to_specs(inputs: dict, artifact: Artifact) -> dict:
-    return {s["name"]: np.asarray(inputs[s["name"]]).astype(s["dtype"]) for s in artifact.input_specs if s["name"] in inputs}
+    specs = {s["name"]: s for g in artifact.graphs for s in g.input_specs}
+    return {name: np.asarray(value).astype(specs[name]["dtype"]) for name, value in inputs.items() if name in specs}
+
+
+def graph_feed(graph, inputs: dict, produced: dict) -> dict:
+    """A graph's feed: the user's inputs, plus earlier graphs' outputs cast to the declared dtype."""
+    feed = {}
+    for spec in graph.input_specs:
+        if spec["name"] in inputs:
+            feed[spec["name"]] = inputs[spec["name"]]
+        elif spec["name"] in produced:
+            feed[spec["name"]] = np.asarray(produced[spec["name"]]).astype(spec["dtype"])
+    return feed
 
 
 def cross_check(
@@ -119,6 +138,12 @@ def cross_check(
     seed: int = 0,
     tolerances: ToleranceConfig | None = None,
 ) -> CheckReport:
+    """Run every backend on every graph and compare each stage with the float64 eager oracle.
+
+    Graphs run in order; a later graph's inputs that an earlier graph produces
+    (the decoder's `encoder_output`) come from the oracle, cast to float32, so
+    each graph is judged on identical inputs.
+    """
     if not backends:
         raise ConfigError("no backends to check; name at least one, e.g. --backends eager,ort-cpu")
     for name in backends:
@@ -127,28 +152,36 @@ def cross_check(
         inputs, source = default_inputs(artifact, batch, sequence, seed)
     else:
         source = "user-supplied"
-    proto = load_onnx(artifact.model_path)
-    oracle = create_runner("eager-f64", artifact, proto)
-    reference = oracle.run(inputs)
-    eager32 = create_runner("eager", artifact, proto)
-    eager32_outputs = eager32.run(inputs)
+    protos = {g.name: load_onnx(g.model_path) for g in artifact.graphs}
+    oracle_model = model_from_artifact(artifact, protos).to(torch.float64)
+    eager32_model = copy.deepcopy(oracle_model).to(torch.float32)
+    reference, eager32_outputs, feeds = {}, {}, {}
+    for graph in artifact.graphs:
+        feeds[graph.name] = graph_feed(graph, inputs, reference)
+        oracle = create_runner("eager-f64", artifact, graph.name, protos=protos, eager_model=oracle_model)
+        reference.update(oracle.run(feeds[graph.name]))
+        eager32 = create_runner("eager", artifact, graph.name, protos=protos, eager_model=eager32_model)
+        eager32_outputs.update(eager32.run(feeds[graph.name]))
+    stages = list(artifact.output_names)
     # The float32 eager model's own error is the yardstick for every backend's tolerance.
     calibration = {name: float(np.max(np.abs(eager32_outputs[name].astype(np.float64) - reference[name]), initial=0.0))
-                   for name in artifact.output_names}
+                   for name in stages}
     report = CheckReport(
-        artifact=str(artifact.directory or artifact.model_path),
-        stages=list(artifact.output_names),
+        artifact=artifact.location,
+        stages=stages,
         inputs={k: list(v.shape) for k, v in inputs.items()},
         input_source=source,
         calibration=calibration,
     )
     for name in backends:
-        if name == "eager":
-            runner, outputs = eager32, eager32_outputs
-        else:
-            runner = create_runner(name, artifact, proto)
-            outputs = runner.run(inputs)
+        outputs, seconds, device = {}, 0.0, ""
+        for graph in artifact.graphs:
+            model = eager32_model if name == "eager" else oracle_model if name == "eager-f64" else None
+            runner = create_runner(name, artifact, graph.name, protos=protos, eager_model=model)
+            outputs.update(runner.run(feeds[graph.name]))
+            seconds += runner.last_inference_time or 0.0
+            device = runner.device
         comparison = compare(reference, outputs, dtype="float32", tolerances=tolerances,
-                             calibration=calibration, order=report.stages)
-        report.backends.append(BackendResult(name, runner.device, comparison, runner.last_inference_time or 0.0))
+                             calibration=calibration, order=stages)
+        report.backends.append(BackendResult(name, device, comparison, seconds))
     return report

@@ -10,6 +10,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from models.encoder_decoder import EncoderDecoderConfig
+from models.gpt import GPTConfig
 from models.llama import DecoderConfig, ProbedBlockConfig
 from models.registry import build_model, get_family
 from models.worked_example import build_worked_example, worked_example_config, worked_example_inputs
@@ -69,6 +71,35 @@ PRESETS: dict[str, Preset] = {
                 vocab_size=96, layers=2, width=16, heads=4, kv_heads=2, ff_width=40, max_positions=32,
                 tie_embeddings=False,
             ),
+        ),
+        Preset(
+            "decoder-small-post",
+            "llama",
+            "stacked decoder with post-norm blocks (the 2017 order)",
+            DecoderConfig(vocab_size=96, layers=2, width=16, heads=4, ff_width=40, max_positions=32,
+                          norm_placement="post"),
+        ),
+        Preset(
+            "gpt-tiny",
+            "gpt",
+            "GPT-style decoder: V=290, d=24, 4 heads, d_ff=48, context 24, 1 layer (19,320 parameters)",
+            GPTConfig(vocab_size=290, width=24, heads=4, ff_width=48, context=24, layers=1),
+        ),
+        Preset(
+            "vaswani-2017",
+            "encoder-decoder",
+            "encoder-decoder, 2017 recipe: post-norm, LayerNorm, ReLU, sinusoidal positions, biases",
+            EncoderDecoderConfig(vocab_size=64, width=16, heads=4, ff_width=64, encoder_layers=2, decoder_layers=2,
+                                 norm="layernorm", ffn="relu", positions="sinusoidal", norm_placement="post",
+                                 biases=True),
+        ),
+        Preset(
+            "modern-2026",
+            "encoder-decoder",
+            "encoder-decoder, 2026 recipe: pre-norm, RMSNorm, SwiGLU, RoPE, no biases",
+            EncoderDecoderConfig(vocab_size=64, width=16, heads=4, ff_width=64, encoder_layers=2, decoder_layers=2,
+                                 norm="rmsnorm", ffn="swiglu", positions="rope", norm_placement="pre",
+                                 biases=False),
         ),
     )
 }

@@ -1,0 +1,97 @@
+"""GPT-style decoder: learned absolute positions, LayerNorm, GELU MLP with biases, untied head.
+
+    x = tok[ids] + pos[0..T)
+    h = x + attn(ln_a(x));  y = h + W2 gelu(W1 ln_f(h) + b1) + b2     (per block)
+    logits = ln_final(y) @ head
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from models import validation as v
+from models.layers import MLP, Attention, Block, stage_names
+from models.llama import check_token_ids
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 290
+    width: int = 24
+    heads: int = 4
+    ff_width: int = 48
+    context: int = 24  # learned positions: windows longer than this cannot be embedded
+    layers: int = 1
+    eps: float = 1e-5
+    head_width: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for name in ("vocab_size", "width", "heads", "ff_width", "context", "layers"):
+            v.positive_int(owner, name, getattr(self, name))
+        if self.width % self.heads:
+            v.fail(owner, "heads", f"a divisor of width={self.width} (heads only split the width)", self.heads)
+        self.head_width = self.width // self.heads
+        v.finite_float(owner, "eps", self.eps, minimum=0.0, inclusive=True)
+
+    @property
+    def max_positions(self) -> int:
+        return self.context
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return stage_names("pre", cross=False)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, data):
+        return v.from_dict(cls, data, cls.__name__)
+
+
+class GPTBlock(Block):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.placement = "pre"
+        self.attention_norm = nn.LayerNorm(config.width, eps=config.eps)
+        self.attention = Attention(config.width, config.heads, bias=False, causal=True)
+        self.feed_forward_norm = nn.LayerNorm(config.width, eps=config.eps)
+        self.feed_forward = MLP(config.width, config.ff_width, "gelu", bias=True)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.width)
+        self.embed_positions = nn.Embedding(config.context, config.width)
+        self.block = nn.ModuleList([GPTBlock(config) for _ in range(config.layers)])
+        self.final_norm = nn.LayerNorm(config.width, eps=config.eps)
+        self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        B, T = input_ids.shape
+        if not torch.onnx.is_in_onnx_export():
+            check_token_ids(input_ids, self.config)
+        positions = torch.arange(T, device=input_ids.device)  # every window starts at position 0
+        x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (B, T, width)
+        stages = {"embed_tokens": x}
+        for i, block in enumerate(self.block):
+            block_stages = block(x)
+            stages.update({f"block.{i}.{k}": s for k, s in block_stages.items()})
+            x = block_stages["output"]
+        stages["final_norm"] = self.final_norm(x)
+        stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
+        return stages
+
+
+def parameter_formula(config: GPTConfig) -> int:
+    # 2Vd (embedding + untied head) + Cd (positions) + L(4d^2 + 2d*d_ff + d_ff + 5d) + 2d (final LN);
+    # per layer 5d = two LayerNorms (scale + shift) + the second FFN bias.
+    V, d, C, L, f = config.vocab_size, config.width, config.context, config.layers, config.ff_width
+    return 2 * V * d + C * d + L * (4 * d * d + 2 * d * f + f + 5 * d) + 2 * d

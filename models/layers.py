@@ -1,0 +1,173 @@
+"""Building blocks shared by every family, one factory per component switch.
+
+A block is three sub-layers (self-attention, optional cross-attention,
+feed-forward), each wrapped by the norm placement:
+    pre:  h = x + f(norm(x))
+    post: h = norm(x + f(x))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.ops import apply_rope, attention, rms_norm, rope_inverse_frequencies, swiglu
+
+NORMS = ("layernorm", "rmsnorm")
+FFNS = ("relu", "gelu", "swiglu")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def make_norm(kind: str, width: int, eps: float, bias: bool = True) -> nn.Module:
+    """rmsnorm: x / rms(x) * g.  layernorm: (x - mean) / sqrt(biased var + eps) * g (+ b)."""
+    if kind == "rmsnorm":
+        return RMSNorm(width, eps)
+    return nn.LayerNorm(width, eps=eps, bias=bias)
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) attention with optional RoPE, causal mask and biases.
+
+    With `memory` given it is cross-attention: queries from x, keys/values from memory.
+    """
+
+    def __init__(self, width, heads, kv_heads=None, *, bias=False, causal=True, rope_base=None,
+                 rope_pairing="interleaved"):
+        super().__init__()
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        self.head_width = width // heads
+        self.causal, self.rope_pairing = causal, rope_pairing
+        kv_width = self.kv_heads * self.head_width
+        self.q_proj = nn.Linear(width, width, bias=bias)
+        self.k_proj = nn.Linear(width, kv_width, bias=bias)
+        self.v_proj = nn.Linear(width, kv_width, bias=bias)
+        self.o_proj = nn.Linear(width, width, bias=bias)
+        self.rope = rope_base is not None
+        if self.rope:
+            self.register_buffer("inv_freq", rope_inverse_frequencies(self.head_width, rope_base), persistent=False)
+
+    def forward(self, x, memory=None, position_offset: int = 0):
+        B, T, d = x.shape
+        source = x if memory is None else memory
+        S = source.shape[1]
+        q = self.q_proj(x).view(B, T, self.heads, self.head_width).transpose(1, 2)  # (B, heads, T, head_width)
+        k = self.k_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
+        v = self.v_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
+        if self.rope:
+            positions = torch.arange(T, device=x.device) + position_offset
+            q = apply_rope(q, positions, self.inv_freq, self.rope_pairing)
+            k = apply_rope(k, positions, self.inv_freq, self.rope_pairing)
+        out, probs = attention(q, k, v, causal=self.causal)
+        out = out.transpose(1, 2).reshape(B, T, d)  # (B, T, width)
+        return self.o_proj(out), probs
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, ff_width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, ff_width, bias=False)
+        self.up_proj = nn.Linear(width, ff_width, bias=False)
+        self.down_proj = nn.Linear(ff_width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+class MLP(nn.Module):
+    """down_proj(act(up_proj x + b1)) + b2 with act ReLU or exact (erf) GELU."""
+
+    def __init__(self, width: int, ff_width: int, activation: str, bias: bool):
+        super().__init__()
+        self.activation = activation
+        self.up_proj = nn.Linear(width, ff_width, bias=bias)
+        self.down_proj = nn.Linear(ff_width, width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.up_proj(x)
+        hidden = F.relu(hidden) if self.activation == "relu" else F.gelu(hidden, approximate="none")
+        return self.down_proj(hidden)
+
+
+def swiglu_width(ff_width: int) -> int:
+    # Three matrices instead of two: 2/3 of the hidden width keeps the parameter count equal.
+    return max(1, round(2 * ff_width / 3))
+
+
+def make_ffn(kind: str, width: int, ff_width: int, bias: bool) -> nn.Module:
+    if kind == "swiglu":
+        return SwiGLU(width, swiglu_width(ff_width))
+    return MLP(width, ff_width, kind, bias)
+
+
+def sinusoidal_table(positions: int, width: int) -> torch.Tensor:
+    # PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)); float64 for the oracle
+    pos = torch.arange(positions, dtype=torch.float64)[:, None]
+    inv = 10000.0 ** (-torch.arange(0, width, 2, dtype=torch.float64) / width)
+    table = torch.zeros(positions, width, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv)[:, : width // 2]
+    return table
+
+
+def stage_names(placement: str, cross: bool) -> tuple[str, ...]:
+    """Stage names of one block, in computation order."""
+    names = []
+    for sub in ("attention", "cross_attention") if cross else ("attention",):
+        if placement == "pre":
+            names += [f"{sub}_norm", f"{sub}_weights", f"{sub}_branch", f"after_{sub}"]
+        else:
+            names += [f"{sub}_weights", f"{sub}_branch", f"{sub}_norm", f"after_{sub}"]
+    names += ["feed_forward_norm", "feed_forward_branch", "output"]
+    if placement == "post":
+        names[-3:] = ["feed_forward_branch", "feed_forward_norm", "output"]
+    return tuple(names)
+
+
+class Block(nn.Module):
+    """Norm placement around self-attention, optional cross-attention, and a feed-forward.
+
+    Subclasses create, in parameter order: attention_norm, attention,
+    [cross_attention_norm, cross_attention], feed_forward_norm, feed_forward.
+    """
+
+    placement: str = "pre"
+
+    def forward(self, x, memory=None, position_offset: int = 0) -> dict[str, torch.Tensor]:
+        stages: dict[str, torch.Tensor] = {}
+        x = self._attend("attention", x, lambda h: self.attention(h, None, position_offset), stages)
+        if memory is not None:
+            x = self._attend("cross_attention", x, lambda h: self.cross_attention(h, memory), stages)
+        if self.placement == "pre":
+            norm = self.feed_forward_norm(x)
+            branch = self.feed_forward(norm)
+            out = x + branch
+            stages.update(feed_forward_norm=norm, feed_forward_branch=branch, output=out)
+        else:
+            branch = self.feed_forward(x)
+            out = self.feed_forward_norm(x + branch)
+            stages.update(feed_forward_branch=branch, feed_forward_norm=out, output=out)
+        return stages
+
+    def _attend(self, sub: str, x, fn, stages) -> torch.Tensor:
+        norm_module = getattr(self, f"{sub}_norm")
+        if self.placement == "pre":
+            norm = norm_module(x)
+            branch, weights = fn(norm)
+            h = x + branch
+            stages.update({f"{sub}_norm": norm, f"{sub}_weights": weights, f"{sub}_branch": branch, f"after_{sub}": h})
+        else:
+            # In post-norm the norm output *is* the residual stream, so two names share a value.
+            branch, weights = fn(x)
+            h = norm_module(x + branch)
+            stages.update({f"{sub}_weights": weights, f"{sub}_branch": branch, f"{sub}_norm": h, f"after_{sub}": h})
+        return h
