@@ -119,9 +119,10 @@ class ProbedBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
         B, T, d = hidden_states.shape
-        if not torch.onnx.is_in_onnx_export() and T > self.config.max_positions:
+        if not torch.onnx.is_in_onnx_export() and T + position_offset > self.config.max_positions:
             raise InputError(
-                f"input 'hidden_states': sequence length {T} exceeds max_positions={self.config.max_positions}"
+                f"input 'hidden_states': sequence length {T} (+ offset {position_offset}) exceeds "
+                f"max_positions={self.config.max_positions}; shorten the input"
             )
         stages = {f"block.0.{k}": s for k, s in self.block[0](hidden_states, position_offset).items()}
         stages["logits"] = stages["block.0.output"] @ self.probe  # (B, T, probe_width)

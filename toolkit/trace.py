@@ -6,6 +6,8 @@ text and JSON renderings come from the same dict.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -30,7 +32,7 @@ def _loss_weights(shape) -> torch.Tensor:
 def gradient_check(model: torch.nn.Module, x: torch.Tensor) -> dict:
     """Autograd vs central differences for every input and parameter coordinate of
     L = sum(w * output), w non-uniform; float64 throughout."""
-    model = model.double()
+    model = copy.deepcopy(model).double()  # the caller's model keeps its dtype and has no .grad left behind
     x = x.clone().double().requires_grad_(True)
     weights = _loss_weights(x.shape[:-1] + (model.config.width,))
 
@@ -40,7 +42,8 @@ def gradient_check(model: torch.nn.Module, x: torch.Tensor) -> dict:
     model.zero_grad()
     loss().backward()
     targets = [("input", x)] + [(n, p) for n, p in model.named_parameters()]
-    analytic = {name: t.grad.detach().clone() for name, t in targets}
+    # No gradient at all (a detached path) counts as zero, so the differences expose it.
+    analytic = {name: torch.zeros_like(t) if t.grad is None else t.grad.detach().clone() for name, t in targets}
     worst, checked = 0.0, {}
     with torch.no_grad():
         for name, tensor in targets:

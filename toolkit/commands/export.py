@@ -30,9 +30,7 @@ def command(preset, config_file, variant, out_dir):
     spec, name = resolve_model(preset, config_file)
     artifact = export_model(spec.build(), spec.family, spec.config, out_dir, variant=variant, preset=name,
                             seed=spec.seed)
-    manifest = artifact.manifest
-    click.echo(
-        f"exported {name or spec.name} ({spec.family}, {variant}) to {out_dir}: "
-        f"{len(manifest['outputs'])} outputs, custom ops {', '.join(manifest['custom_ops'])}, "
-        f"sha256 {manifest['model_sha256'][:12]}"
-    )
+    click.echo(f"exported {name or spec.name} ({spec.family}, {variant}) to {out_dir}:")
+    for graph in artifact.graphs:
+        click.echo(f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
+                   f"{', '.join(graph.entry['custom_ops']) or 'none'}, sha256 {graph.entry['sha256'][:12]}")
