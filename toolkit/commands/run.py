@@ -7,7 +7,7 @@ import numpy as np
 
 from runners.registry import create_runner
 from toolkit.artifacts import load_artifact
-from toolkit.check import default_inputs
+from toolkit.check import default_inputs, graph_feed
 from toolkit.commands.common import load_npz, save_npz_atomically
 
 
@@ -18,19 +18,26 @@ from toolkit.commands.common import load_npz, save_npz_atomically
 @click.option("--save", "save_file", type=click.Path(dir_okay=False), help="Write every output to this .npz.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
 def command(artifact_dir, backend, inputs_file, save_file, seed):
-    """Run ARTIFACT_DIR on one backend."""
+    """Run ARTIFACT_DIR on one backend; graphs run in order, each fed by the ones before it."""
     artifact = load_artifact(artifact_dir)
-    runner = create_runner(backend, artifact)
     if inputs_file:
         inputs, source = load_npz(inputs_file), inputs_file
     else:
         inputs, source = default_inputs(artifact, None, None, seed)
-    outputs = runner.run(inputs)
-    click.echo(f"{runner.name} on {runner.device}: {runner.last_inference_time * 1e3:.2f} ms, inputs {source}")
+    outputs: dict[str, np.ndarray] = {}
+    for graph in artifact.graphs:
+        runner = create_runner(backend, artifact, graph.name)
+        feed = graph_feed(graph, inputs, outputs)
+        unknown = sorted(set(inputs) - {s["name"] for g in artifact.graphs for s in g.input_specs})
+        if unknown and graph is artifact.graphs[0]:
+            feed.update({name: inputs[name] for name in unknown})  # let the feed check name them
+        outputs.update(runner.run(feed))
+        click.echo(f"{graph.name}: {runner.name} on {runner.device}, {runner.last_inference_time * 1e3:.2f} ms, "
+                   f"inputs {source}")
     for name, value in outputs.items():
         flat = np.asarray(value).ravel()
         preview = ", ".join(f"{x:.4g}" for x in flat[:4]) + (", ..." if flat.size > 4 else "")
-        click.echo(f"  {name:<30} {str(value.dtype):<8} {'x'.join(map(str, value.shape)):<12} [{preview}]")
+        click.echo(f"  {name:<40} {str(value.dtype):<8} {'x'.join(map(str, value.shape)):<12} [{preview}]")
     if save_file:
         save_npz_atomically(save_file, outputs)
         click.echo(f"saved {len(outputs)} outputs to {save_file}")
