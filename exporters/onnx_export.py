@@ -25,7 +25,7 @@ from exporters.functions import OPSET, function_protos
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from models.registry import get_family
 from toolkit import artifacts
-from toolkit.errors import ExportError
+from toolkit.errors import ConfigError, ExportError
 
 VARIANTS = ("stages", "serving")
 SAMPLE_BATCH, SAMPLE_SEQUENCE = 2, 3
@@ -73,8 +73,11 @@ def export_model(
 ) -> artifacts.Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact."""
     fam = get_family(family)
+    if not isinstance(config, fam.config_cls):
+        raise ConfigError(f"family {family!r} expects a {fam.config_cls.__name__}, got {type(config).__name__}")
     if variant not in VARIANTS:
         raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    artifacts.check_output_dir(Path(out_dir))  # before the slow trace
     model = model.to(torch.float32).eval()
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):

@@ -181,7 +181,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def get_family(name: str) -> Family:
-    if name not in FAMILIES:
+    if not isinstance(name, str) or name not in FAMILIES:
         raise ConfigError(f"unknown model family {name!r}; known families: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from onnx.reference import ReferenceEvaluator
 
 from runners.base import Runner
+from toolkit.errors import ModelFileError
 
 
 class ReferenceRunner(Runner):
@@ -14,7 +15,10 @@ class ReferenceRunner(Runner):
     def __init__(self, model_proto, input_specs, output_names, config=None):
         super().__init__(input_specs, output_names, config)
         # The model's local functions (the custom ops' bodies) are evaluated from the proto itself.
-        self.evaluator = ReferenceEvaluator(model_proto)
+        try:
+            self.evaluator = ReferenceEvaluator(model_proto)
+        except Exception as exc:  # the evaluator raises NotImplementedError, ValueError, ... on bad graphs
+            raise ModelFileError(f"onnx.reference could not load the model: {type(exc).__name__}: {exc}") from None
 
     def _infer(self, feed):
         values = self.evaluator.run(self.output_names, feed)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -114,6 +115,18 @@ def is_artifact_dir(path: Path) -> bool:
     return (path / MANIFEST_FILE).is_file()
 
 
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse an output path that is a file or a non-empty directory holding no artifact."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelFileError(f"output path {out_dir} exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_artifact_dir(out_dir):
+        raise ModelFileError(
+            f"output directory {out_dir} is not empty and holds no {MANIFEST_FILE}; "
+            "refusing to overwrite it, choose an empty or new --out"
+        )
+
+
 def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> None:
     """Write files into out_dir all-or-nothing.
 
@@ -123,13 +136,7 @@ def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> No
     not an artifact is never replaced.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ModelFileError(f"output path {out_dir} exists and is not a directory; choose another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_artifact_dir(out_dir):
-        raise ModelFileError(
-            f"output directory {out_dir} is not empty and holds no {MANIFEST_FILE}; "
-            "refusing to overwrite it, choose an empty or new --out"
-        )
+    check_output_dir(out_dir)
     parent = out_dir.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
@@ -233,3 +240,7 @@ def _check_manifest(manifest, where, needs_hash: bool = True) -> None:
         missing = [k for k in graph_keys if not isinstance(entry, dict) or k not in entry]
         if missing:
             raise ModelFileError(f"{where}: a graph entry lacks {missing}; re-run `toolkit export`")
+        if needs_hash and not (isinstance(entry["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise ModelFileError(
+                f"{where}: graph {entry.get('name')!r} sha256 must be 64 hex digits, got {entry['sha256']!r}"
+            )
