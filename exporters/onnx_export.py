@@ -48,7 +48,7 @@ class _NamedOutputs(nn.Module):
 def graph_outputs(graph, variant: str) -> tuple[str, ...]:
     if variant not in VARIANTS:
         raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-    return graph.stages if variant == "stages" else graph.serving
+    return graph.variant(variant)[1]
 
 
 def output_names(family: str, config, variant: str) -> tuple[str, ...]:
@@ -81,8 +81,8 @@ def export_model(
     model = model.to(torch.float32).eval()
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
-        names = graph_outputs(graph, variant)
-        proto = _trace(_NamedOutputs(model, graph.run, names), config, graph, names)
+        inputs, names, run = graph.variant(variant)
+        proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
         graph_used = {n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN}
         proto.functions.extend(function_protos(graph_used))
         if not any(o.domain == CUSTOM_DOMAIN for o in proto.opset_import):
@@ -92,7 +92,7 @@ def export_model(
         entries.append({
             "name": graph.name,
             "file": graph_file(family, graph),
-            "inputs": [s.to_dict() for s in graph.inputs],
+            "inputs": [s.to_dict() for s in inputs],
             "outputs": _value_specs(proto.graph.output),
             "stages": list(names),
             "custom_ops": sorted(graph_used),
@@ -134,17 +134,22 @@ def export_model(
     return artifacts.load_artifact(out_dir)
 
 
-def _trace(wrapper: nn.Module, config, graph, names) -> onnx.ModelProto:
+def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     # Traced sizes differ per axis name (and are >= 2) so torch.export keeps each axis symbolic and distinct.
-    sizes = {"batch": SAMPLE_BATCH, "sequence": SAMPLE_SEQUENCE, "source_sequence": SAMPLE_SEQUENCE + 1}
+    sizes = {"batch": SAMPLE_BATCH, "sequence": SAMPLE_SEQUENCE, "source_sequence": SAMPLE_SEQUENCE + 1,
+             "past_sequence": SAMPLE_SEQUENCE + 2}
     sizes = {k: min(v, config.max_positions) if k != "batch" else v for k, v in sizes.items()}
+    if sizes["past_sequence"] + sizes["sequence"] > config.max_positions:
+        sizes["past_sequence"] = max(config.max_positions - sizes["sequence"], 0)
     dims = {"batch": torch.export.Dim("batch", min=1)}
     for axis in ("sequence", "source_sequence"):
         if sizes[axis] > 1:  # a window of one position cannot have a symbolic length
             dims[axis] = torch.export.Dim(axis, min=1, max=config.max_positions)
+    if sizes["past_sequence"] > 1:  # the prefill runs with an empty cache, so 0 is allowed
+        dims["past_sequence"] = torch.export.Dim("past_sequence", min=0, max=config.max_positions)
     args, shapes = [], []
-    for spec in graph.inputs:
+    for spec in inputs:
         shape = tuple(sizes[d] if isinstance(d, str) else d for d in spec.shape)
         if spec.dtype == "int64":
             value = torch.from_numpy(rng.integers(0, config.vocab_size, size=shape, dtype=np.int64))
@@ -164,14 +169,14 @@ def _trace(wrapper: nn.Module, config, graph, names) -> onnx.ModelProto:
                 tuple(args),
                 dynamo=True,
                 opset_version=OPSET,
-                input_names=[s.name for s in graph.inputs],
+                input_names=[s.name for s in inputs],
                 output_names=list(names),
                 dynamic_shapes=dynamic_shapes,
                 optimize=True,
                 verify=False,
             )
     except Exception as exc:  # torch.onnx raises many types; all mean the same to the user
-        raise ExportError(f"torch.onnx.export failed for the {graph.name} graph: {_summary(exc)}") from exc
+        raise ExportError(f"torch.onnx.export failed for the {graph_name} graph: {_summary(exc)}") from exc
     return program.model_proto
 
 

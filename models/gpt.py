@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from models import validation as v
-from models.layers import MLP, Attention, Block, stage_names
+from models.layers import MLP, Attention, Block, past_length, run_stack, stage_names
 from models.llama import check_token_ids
 
 
@@ -74,17 +74,17 @@ class GPT(nn.Module):
         self.final_norm = nn.LayerNorm(config.width, eps=config.eps)
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, past=None) -> dict[str, torch.Tensor]:
+        """Stages by name; with `past` (one cache pair per block) also `present.{i}.key/value`."""
         B, T = input_ids.shape
+        start = past_length(past)
         if not torch.onnx.is_in_onnx_export():
-            check_token_ids(input_ids, self.config)
-        positions = torch.arange(T, device=input_ids.device)  # every window starts at position 0
+            check_token_ids(input_ids, self.config, start)
+        # Every window starts at position 0; cached tokens hold the positions before T_past.
+        positions = torch.arange(T, device=input_ids.device) + start
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (B, T, width)
         stages = {"embed_tokens": x}
-        for i, block in enumerate(self.block):
-            block_stages = block(x)
-            stages.update({f"block.{i}.{k}": s for k, s in block_stages.items()})
-            x = block_stages["output"]
+        x = run_stack(self.block, x, stages, "block", past=past)
         stages["final_norm"] = self.final_norm(x)
         stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
         return stages

@@ -56,20 +56,30 @@ class Attention(nn.Module):
         if self.rope:
             self.register_buffer("inv_freq", rope_inverse_frequencies(self.head_width, rope_base), persistent=False)
 
-    def forward(self, x, memory=None, position_offset: int = 0):
+    def forward(self, x, memory=None, position_offset: int = 0, past=None):
+        """Returns (output, probabilities), plus (keys, values) for the cache when `past` is given.
+
+        past: (keys, values) of earlier positions, each (B, kv_heads, T_past, head_width), after
+        RoPE; T_past may be 0. The new tokens sit at positions T_past + position_offset + [0, T).
+        """
         B, T, d = x.shape
         source = x if memory is None else memory
         S = source.shape[1]
         q = self.q_proj(x).view(B, T, self.heads, self.head_width).transpose(1, 2)  # (B, heads, T, head_width)
         k = self.k_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
         v = self.v_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
+        if past is not None:
+            position_offset = position_offset + past[0].shape[2]
         if self.rope:
             positions = torch.arange(T, device=x.device) + position_offset
             q = apply_rope(q, positions, self.inv_freq, self.rope_pairing)
             k = apply_rope(k, positions, self.inv_freq, self.rope_pairing)
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)  # (B, kv_heads, T_past + T, head_width)
+            v = torch.cat((past[1], v), dim=2)  # (B, kv_heads, T_past + T, head_width)
         out, probs = attention(q, k, v, causal=self.causal)
-        out = out.transpose(1, 2).reshape(B, T, d)  # (B, T, width)
-        return self.o_proj(out), probs
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, d))  # (B, T, width)
+        return (out, probs) if past is None else (out, probs, (k, v))
 
 
 class SwiGLU(nn.Module):
@@ -142,9 +152,10 @@ class Block(nn.Module):
 
     placement: str = "pre"
 
-    def forward(self, x, memory=None, position_offset: int = 0) -> dict[str, torch.Tensor]:
+    def forward(self, x, memory=None, position_offset: int = 0, past=None) -> dict[str, torch.Tensor]:
+        """Stages by name; with `past` (the self-attention cache) also "present.key"/"present.value"."""
         stages: dict[str, torch.Tensor] = {}
-        x = self._attend("attention", x, lambda h: self.attention(h, None, position_offset), stages)
+        x = self._attend("attention", x, lambda h: self.attention(h, None, position_offset, past), stages)
         if memory is not None:
             x = self._attend("cross_attention", x, lambda h: self.cross_attention(h, memory), stages)
         if self.placement == "pre":
@@ -162,12 +173,39 @@ class Block(nn.Module):
         norm_module = getattr(self, f"{sub}_norm")
         if self.placement == "pre":
             norm = norm_module(x)
-            branch, weights = fn(norm)
+            branch, weights, *present = fn(norm)
             h = x + branch
             stages.update({f"{sub}_norm": norm, f"{sub}_weights": weights, f"{sub}_branch": branch, f"after_{sub}": h})
         else:
             # In post-norm the norm output *is* the residual stream, so two names share a value.
-            branch, weights = fn(x)
+            branch, weights, *present = fn(x)
             h = norm_module(x + branch)
             stages.update({f"{sub}_weights": weights, f"{sub}_branch": branch, f"{sub}_norm": h, f"after_{sub}": h})
+        if present:
+            stages["present.key"], stages["present.value"] = present[0]
         return h
+
+
+def run_stack(blocks, x, stages: dict, prefix: str, *, memory=None, position_offset: int = 0, past=None):
+    """Run blocks in order, naming their stages `{prefix}.{i}.{stage}`; returns the last output.
+
+    With `past` (one (keys, values) pair per block) the caches come back as
+    `present.{i}.key` / `present.{i}.value`.
+    """
+    for i, block in enumerate(blocks):
+        kwargs = {"position_offset": position_offset}
+        if memory is not None:
+            kwargs["memory"] = memory
+        if past is not None:
+            kwargs["past"] = past[i]
+        block_stages = block(x, **kwargs)
+        if past is not None:
+            stages[f"present.{i}.key"] = block_stages.pop("present.key")
+            stages[f"present.{i}.value"] = block_stages.pop("present.value")
+        stages.update({f"{prefix}.{i}.{k}": s for k, s in block_stages.items()})
+        x = block_stages["output"]
+    return x
+
+
+def past_length(past) -> int:
+    return 0 if past is None else past[0][0].shape[2]

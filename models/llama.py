@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from models import validation as v
-from models.layers import Attention, Block, RMSNorm, SwiGLU, stage_names
+from models.layers import Attention, Block, RMSNorm, SwiGLU, past_length, run_stack, stage_names
 from toolkit.errors import InputError
 
 BLOCK_STAGES = stage_names("pre", cross=False)
@@ -103,8 +103,8 @@ class DecoderBlock(Block):
         self.feed_forward_norm = RMSNorm(config.width, config.eps)
         self.feed_forward = SwiGLU(config.width, config.ff_width)
 
-    def forward(self, x: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
-        return super().forward(x, None, position_offset)
+    def forward(self, x: torch.Tensor, position_offset: int = 0, past=None) -> dict[str, torch.Tensor]:
+        return super().forward(x, None, position_offset, past)
 
 
 class ProbedBlock(nn.Module):
@@ -142,16 +142,15 @@ class Decoder(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_offset: int = 0) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, position_offset: int = 0, past=None) -> dict[str, torch.Tensor]:
+        """Stages by name. `past`: one (keys, values) cache pair per block (T_past may be 0); then the
+        updated caches come back as `present.{i}.key/value` and positions continue after T_past."""
         B, T = input_ids.shape
         if not torch.onnx.is_in_onnx_export():
-            check_token_ids(input_ids, self.config, position_offset)
+            check_token_ids(input_ids, self.config, position_offset + past_length(past))
         x = self.embed_tokens(input_ids)  # (B, T, width)
         stages = {"embed_tokens": x}
-        for i, block in enumerate(self.block):
-            block_stages = block(x, position_offset)
-            stages.update({f"block.{i}.{k}": s for k, s in block_stages.items()})
-            x = block_stages["output"]
+        x = run_stack(self.block, x, stages, "block", position_offset=position_offset, past=past)
         stages["final_norm"] = self.final_norm(x)
         stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
         return stages

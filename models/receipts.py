@@ -35,7 +35,7 @@ def gradient_receipt(model: torch.nn.Module, input_ids: torch.Tensor, targets: t
         norms[name] = math.nan if parameter.grad is None else float(parameter.grad.norm())
     dead = [n for n, v in norms.items() if not (math.isfinite(v) and v > 0)]
     model.zero_grad(set_to_none=True)
-    return {"loss": float(loss), "gradient_norms": norms, "tensors": len(norms), "dead": dead, "passed": not dead}
+    return {"loss": float(loss.detach()), "gradient_norms": norms, "tensors": len(norms), "dead": dead, "passed": not dead}
 
 
 @torch.no_grad()

@@ -43,6 +43,15 @@ class GraphSpec:
     stages: tuple[str, ...]
     serving: tuple[str, ...]  # the outputs of the serving variant
     run: Callable[..., dict]  # (model, *inputs in spec order) -> {stage: tensor}
+    # Language models serve through a KV-cache graph with extra inputs and its own eager path.
+    serving_inputs: tuple[InputSpec, ...] | None = None
+    serving_run: Callable[..., dict] | None = None
+
+    def variant(self, variant: str) -> tuple[tuple[InputSpec, ...], tuple[str, ...], Callable[..., dict]]:
+        """(inputs, outputs, eager run) of this graph in the given export variant."""
+        if variant == "serving" and self.serving_inputs is not None:
+            return self.serving_inputs, self.serving, self.serving_run
+        return self.inputs, (self.stages if variant == "stages" else self.serving), self.run
 
 
 @dataclass(frozen=True)
@@ -59,9 +68,9 @@ class Family:
     def config_from_dict(self, data):
         return self.config_cls.from_dict(data)
 
-    def input_specs(self, config) -> tuple[InputSpec, ...]:
+    def input_specs(self, config, variant: str = "stages") -> tuple[InputSpec, ...]:
         """Inputs of the first graph (the only one for single-graph families)."""
-        return self.graphs(config)[0].inputs
+        return self.graphs(config)[0].variant(variant)[0]
 
     def stage_names(self, config) -> tuple[str, ...]:
         return tuple(name for graph in self.graphs(config) for name in graph.stages)
@@ -74,6 +83,32 @@ def _block_stages(config, prefix: str = "") -> list[str]:
 
 def _single(inputs, stages, run=lambda model, *args: model(*args)):
     return (GraphSpec("model", inputs, tuple(stages), ("logits",), run),)
+
+
+def _cache_pairs(flat):
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+def _language_model(config, stages) -> tuple[GraphSpec, ...]:
+    """A causal LM: the stages graph without a cache, the serving graph with a KV cache.
+
+    Serving inputs: input_ids [B, T_new] and past.{i}.key/value [B, kv_heads, T_past, head_width]
+    (T_past = 0 for the prefill); outputs: logits and present.{i}.key/value (T_past + T_new).
+    """
+    kv_heads = getattr(config, "kv_heads", config.heads)
+    cache_shape = ("batch", kv_heads, "past_sequence", config.head_width)
+    past, present = [], ["logits"]
+    for i in range(config.layers):
+        for kind in ("key", "value"):
+            past.append(InputSpec(f"past.{i}.{kind}", "float32", cache_shape))
+            present.append(f"present.{i}.{kind}")
+    return (GraphSpec("model", (_ids(),), tuple(stages), tuple(present), lambda model, ids: model(ids),
+                      serving_inputs=(_ids(), *past),
+                      serving_run=lambda model, ids, *flat: model(ids, past=_cache_pairs(flat))),)
+
+
+def has_cache(input_specs) -> bool:
+    return any(spec["name"].startswith("past.") for spec in input_specs)
 
 
 def _ids(name="input_ids", axis="sequence"):
@@ -151,7 +186,7 @@ FAMILIES: dict[str, Family] = {
         description="stacked LLaMA-style decoder: embedding, RMSNorm/RoPE/SwiGLU blocks, final RMSNorm, head",
         config_cls=DecoderConfig,
         module_cls=Decoder,
-        graphs=lambda c: _single((_ids(),), ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
+        graphs=lambda c: _language_model(c, ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
         random_inputs=_token_inputs,
         parameter_formula=_llama_formula,
         switches=_llama_switches,
@@ -161,7 +196,7 @@ FAMILIES: dict[str, Family] = {
         description="GPT-style decoder: learned positions, LayerNorm, GELU MLP with biases, untied head",
         config_cls=GPTConfig,
         module_cls=GPT,
-        graphs=lambda c: _single((_ids(),), ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
+        graphs=lambda c: _language_model(c, ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
         random_inputs=_token_inputs,
         parameter_formula=gpt_parameter_formula,
         switches=lambda c: {"norm": "layernorm", "ffn": "gelu", "positions": "learned", "norm_placement": "pre",

@@ -63,7 +63,7 @@ def check_feed(specs: list[dict], inputs: dict, config=None) -> dict[str, np.nda
                 f"input {name!r}: expected rank {len(shape)} {_fmt(shape)}, got rank {array.ndim} {tuple(array.shape)}"
             )
         for axis, (want, got) in enumerate(zip(shape, array.shape)):
-            if got < 1:
+            if got < 1 and want != "past_sequence":  # only the cache may be empty (a prefill)
                 raise InputError(f"input {name!r}: axis {axis} ({want}) is empty; every axis needs at least 1 element")
             if isinstance(want, int) and want > 0 and got != want:
                 raise InputError(f"input {name!r}: axis {axis} expected size {want}, got {got} (shape {tuple(array.shape)})")
@@ -73,7 +73,7 @@ def check_feed(specs: list[dict], inputs: dict, config=None) -> dict[str, np.nda
                     raise InputError(
                         f"input {name!r}: axis {axis} ({want}) is {got} but input {seen[1]!r} has {want}={seen[0]}"
                     )
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        if np.issubdtype(array.dtype, np.floating) and array.size and not np.isfinite(array).all():
             bad = np.argwhere(~np.isfinite(array))
             raise InputError(
                 f"input {name!r}: {len(bad)} non-finite value(s) (NaN/Inf), first at index {tuple(int(i) for i in bad[0])}"
@@ -90,6 +90,13 @@ def _check_against_config(feed, symbols, config) -> None:
             raise InputError(
                 f"input {name!r}: sequence length {length} exceeds max_positions={config.max_positions}; "
                 "shorten the input"
+            )
+    if "past_sequence" in symbols and "sequence" in symbols:
+        total = symbols["past_sequence"][0] + symbols["sequence"][0]
+        if total > config.max_positions:
+            raise InputError(
+                f"input {symbols['sequence'][1]!r}: cached {symbols['past_sequence'][0]} + new "
+                f"{symbols['sequence'][0]} positions exceed max_positions={config.max_positions}"
             )
     for name, ids in feed.items():
         if not name.endswith("_ids") or not hasattr(config, "vocab_size"):

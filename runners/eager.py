@@ -73,4 +73,5 @@ def eager_runner(artifact: Artifact, dtype: torch.dtype, name: str, graph: str |
     graph_artifact = artifact.graph(graph)
     spec = {g.name: g for g in get_family(artifact.family).graphs(artifact.config())}[graph_artifact.name]
     model = model if model is not None else model_from_artifact(artifact, protos)
-    return EagerRunner(model, dtype, graph_artifact, spec.run, artifact.config(), name=name)
+    run = spec.variant(artifact.variant)[2]
+    return EagerRunner(model, dtype, graph_artifact, run, artifact.config(), name=name)

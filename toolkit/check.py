@@ -118,14 +118,27 @@ def _cast_to_specs(inputs: dict, artifact: Artifact) -> dict:
 
 
 def graph_feed(graph, inputs: dict, produced: dict) -> dict:
-    """A graph's feed: the user's inputs, plus earlier graphs' outputs cast to the declared dtype."""
+    """A graph's feed: the user's inputs, earlier graphs' outputs cast to the declared dtype, and an
+    empty KV cache (T_past = 0) for cache inputs the user left out."""
     feed = {}
     for spec in graph.input_specs:
         if spec["name"] in inputs:
             feed[spec["name"]] = inputs[spec["name"]]
         elif spec["name"] in produced:
             feed[spec["name"]] = np.asarray(produced[spec["name"]]).astype(spec["dtype"])
+    if "input_ids" in feed and not any(name.startswith("past.") for name in inputs):
+        feed.update(empty_cache(graph.input_specs, batch=feed["input_ids"].shape[0]))
     return feed
+
+
+def empty_cache(specs, batch: int) -> dict[str, np.ndarray]:
+    """Zero-length past.* arrays: the cache of a prefill."""
+    cache = {}
+    for spec in specs:
+        if spec["name"].startswith("past."):
+            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec["shape"]]
+            cache[spec["name"]] = np.zeros(shape, dtype=spec["dtype"])
+    return cache
 
 
 def cross_check(

@@ -133,12 +133,23 @@ def test_stage_outputs_are_named_like_eager_stages(exported, preset):
     assert output_names(spec.family, spec.config, "stages") == tuple(names)
 
 
-def test_serving_variant_outputs_only_logits(exported):
-    proto = load_proto(exported("decoder-small", "serving"))
+def test_serving_variant_of_a_block_outputs_only_logits(exported):
+    proto = load_proto(exported("block-small", "serving"))
     assert [o.name for o in proto.graph.output] == ["logits"]
+    assert [i.name for i in proto.graph.input] == ["hidden_states"]
+
+
+def test_serving_variant_of_a_language_model_is_the_kv_cache_graph(exported):
+    config = get_preset("decoder-small").config
+    proto = load_proto(exported("decoder-small", "serving"))
+    cache = [f"{io}.{i}.{kind}" for i in range(config.layers) for kind in ("key", "value") for io in ("x",)]
+    assert [o.name for o in proto.graph.output] == ["logits"] + [c.replace("x.", "present.") for c in cache]
+    assert [i.name for i in proto.graph.input] == ["input_ids"] + [c.replace("x.", "past.") for c in cache]
     logits = proto.graph.output[0].type.tensor_type
     assert logits.elem_type == onnx.TensorProto.FLOAT
-    assert logits.shape.dim[-1].dim_value == get_preset("decoder-small").config.vocab_size
+    assert logits.shape.dim[-1].dim_value == config.vocab_size
+    past = proto.graph.input[1].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in past] == ["batch", config.kv_heads, "past_sequence", config.head_width]
 
 
 def test_unknown_variant_is_refused(exported):

@@ -25,7 +25,7 @@ from models.llama import DecoderConfig, ProbedBlockConfig
 from models.registry import build_model
 from runners.registry import create_runner
 from toolkit.artifacts import MANIFEST_FILE, load_artifact
-from toolkit.check import cross_check
+from toolkit.check import cross_check, graph_feed
 from toolkit.configs import get_preset
 from toolkit.errors import InputError
 
@@ -128,16 +128,19 @@ def test_attention_weights_are_causal_at_full_window(random_exports):
 
 def test_serving_logits_match_stages_logits(exported):
     stages, serving = exported("decoder-small", "stages"), exported("decoder-small", "serving")
-    assert serving.output_names == ["logits"]
     config = get_preset("decoder-small").config
+    cache = [f"present.{i}.{kind}" for i in range(config.layers) for kind in ("key", "value")]
+    assert serving.output_names == ["logits", *cache]
     for batch, seq in [(1, 1), (3, 7), (2, config.max_positions)]:
         feed = random_feed("llama", config, batch, seq, seed=seq)
         full = create_runner("ort-cpu", stages).run(feed)["logits"]
-        only = create_runner("ort-cpu", serving).run(feed)
-        assert list(only) == ["logits"] and only["logits"].shape == (batch, seq, config.vocab_size)
+        only = create_runner("ort-cpu", serving).run(graph_feed(serving.graph(), feed, {}))
+        assert only["logits"].shape == (batch, seq, config.vocab_size)
         np.testing.assert_allclose(only["logits"], full, rtol=1e-5, atol=1e-5)
+        # The prefill's cache holds one key/value row per prompt position.
+        assert only["present.0.key"].shape == (batch, config.kv_heads, seq, config.head_width)
     report = cross_check(serving, batch=2, sequence=4)
-    assert report.passed and report.stages == ["logits"]
+    assert report.passed and report.stages == ["logits", *cache]
 
 
 def test_sequence_beyond_max_positions_is_refused(exported):
