@@ -9,6 +9,7 @@ One export path for every family:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -70,8 +71,14 @@ def export_model(
     variant: str = "stages",
     preset: str | None = None,
     seed: int | None = None,
+    source: dict | None = None,
+    extra_files: dict[str, bytes] | None = None,
 ) -> artifacts.Artifact:
-    """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact."""
+    """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
+
+    source: where the weights came from (an imported checkpoint); extra_files: more files for the
+    artifact (the tokenizer), written in the same atomic swap and hashed in the manifest.
+    """
     fam = get_family(family)
     if not isinstance(config, fam.config_cls):
         raise ConfigError(f"family {family!r} expects a {fam.config_cls.__name__}, got {type(config).__name__}")
@@ -112,6 +119,8 @@ def export_model(
         "custom_domains": {CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION},
         "custom_ops": sorted(used),
         "graphs": entries,
+        "source": source,
+        "extra_files": {name: artifacts.sha256_bytes(data) for name, data in (extra_files or {}).items()},
         "versions": _versions(),
     }
     files = {}
@@ -129,6 +138,7 @@ def export_model(
         data = proto.SerializeToString()
         entry["sha256"] = artifacts.sha256_bytes(data)
         files[entry["file"]] = data
+    files.update(extra_files or {})
     files[artifacts.MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     artifacts.write_artifact(Path(out_dir), files, verify=artifacts.load_artifact)
     return artifacts.load_artifact(out_dir)
@@ -207,18 +217,20 @@ def _weight_map(model: nn.Module, proto: onnx.ModelProto) -> dict[str, dict]:
     which lets the eager reference be rebuilt from the .onnx files alone.
     Weights a graph does not use (the decoder's, in the encoder graph) are absent.
     """
+    def key(array: np.ndarray) -> tuple:
+        # A digest, not the bytes themselves: a real checkpoint's weights would be held twice.
+        return array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
+
     by_bytes: dict[tuple, str] = {}
     for init in proto.graph.initializer:
-        array = numpy_helper.to_array(init)
-        by_bytes.setdefault((array.dtype.str, array.shape, array.tobytes()), init.name)
+        by_bytes.setdefault(key(numpy_helper.to_array(init)), init.name)
     mapping = {}
     for name, tensor in model.state_dict().items():
         array = tensor.detach().cpu().numpy()
-        found = by_bytes.get((array.dtype.str, array.shape, array.tobytes()))
+        found = by_bytes.get(key(array))
         transpose = False
         if found is None and array.ndim == 2:
-            flipped = np.ascontiguousarray(array.T)
-            found = by_bytes.get((flipped.dtype.str, flipped.shape, flipped.tobytes()))
+            found = by_bytes.get(key(array.T))
             transpose = found is not None
         if found is not None:
             mapping[name] = {"initializer": found, "transpose": transpose}

@@ -27,6 +27,9 @@ class GPTConfig:
     context: int = 24  # learned positions: windows longer than this cannot be embedded
     layers: int = 1
     eps: float = 1e-5
+    attention_bias: bool = False  # GPT-2 checkpoints carry Q/K/V/O biases
+    activation: str = "gelu"  # exact erf GELU; "gelu_tanh" is GPT-2's approximation
+    tie_embeddings: bool = False
     head_width: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -37,6 +40,10 @@ class GPTConfig:
             v.fail(owner, "heads", f"a divisor of width={self.width} (heads only split the width)", self.heads)
         self.head_width = self.width // self.heads
         v.finite_float(owner, "eps", self.eps, minimum=0.0, inclusive=True)
+        v.one_of(owner, "activation", self.activation, ("gelu", "gelu_tanh"))
+        for name in ("attention_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                v.fail(owner, name, "true or false", getattr(self, name))
 
     @property
     def max_positions(self) -> int:
@@ -59,9 +66,9 @@ class GPTBlock(Block):
         super().__init__()
         self.placement = "pre"
         self.attention_norm = nn.LayerNorm(config.width, eps=config.eps)
-        self.attention = Attention(config.width, config.heads, bias=False, causal=True)
+        self.attention = Attention(config.width, config.heads, bias=config.attention_bias, causal=True)
         self.feed_forward_norm = nn.LayerNorm(config.width, eps=config.eps)
-        self.feed_forward = MLP(config.width, config.ff_width, "gelu", bias=True)
+        self.feed_forward = MLP(config.width, config.ff_width, config.activation, bias=True)
 
 
 class GPT(nn.Module):
@@ -73,6 +80,8 @@ class GPT(nn.Module):
         self.block = nn.ModuleList([GPTBlock(config) for _ in range(config.layers)])
         self.final_norm = nn.LayerNorm(config.width, eps=config.eps)
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, past=None) -> dict[str, torch.Tensor]:
         """Stages by name; with `past` (one cache pair per block) also `present.{i}.key/value`."""
@@ -94,4 +103,6 @@ def parameter_formula(config: GPTConfig) -> int:
     # 2Vd (embedding + untied head) + Cd (positions) + L(4d^2 + 2d*d_ff + d_ff + 5d) + 2d (final LN);
     # per layer 5d = two LayerNorms (scale + shift) + the second FFN bias.
     V, d, C, L, f = config.vocab_size, config.width, config.context, config.layers, config.ff_width
-    return 2 * V * d + C * d + L * (4 * d * d + 2 * d * f + f + 5 * d) + 2 * d
+    heads = 1 if config.tie_embeddings else 2
+    attention_biases = 4 * d if config.attention_bias else 0
+    return heads * V * d + C * d + L * (4 * d * d + attention_biases + 2 * d * f + f + 5 * d) + 2 * d

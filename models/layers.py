@@ -94,7 +94,7 @@ class SwiGLU(nn.Module):
 
 
 class MLP(nn.Module):
-    """down_proj(act(up_proj x + b1)) + b2 with act ReLU or exact (erf) GELU."""
+    """down_proj(act(up_proj x + b1)) + b2 with act ReLU, exact (erf) GELU or tanh-approximated GELU."""
 
     def __init__(self, width: int, ff_width: int, activation: str, bias: bool):
         super().__init__()
@@ -104,7 +104,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.up_proj(x)
-        hidden = F.relu(hidden) if self.activation == "relu" else F.gelu(hidden, approximate="none")
+        if self.activation == "relu":
+            hidden = F.relu(hidden)
+        else:
+            hidden = F.gelu(hidden, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.down_proj(hidden)
 
 

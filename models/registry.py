@@ -221,15 +221,19 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def build_model(family: str, config, seed: int = 0) -> nn.Module:
-    """Construct and deterministically initialise a model; the caller's RNG state is never touched."""
+def build_model(family: str, config, seed: int = 0, *, init: bool = True) -> nn.Module:
+    """Construct and deterministically initialise a model; the caller's RNG state is never touched.
+
+    init=False skips the seeded initialisation for callers that load every weight next.
+    """
     fam = get_family(family)
     if not isinstance(config, fam.config_cls):
         raise ConfigError(f"family {family!r} expects a {fam.config_cls.__name__}, got {type(config).__name__}")
     with torch.random.fork_rng(devices=[]):
         generator = torch.Generator().manual_seed(seed)
         model = fam.module_cls(config)
-        initialize(model, generator)
+        if init:
+            initialize(model, generator)
     return model.eval()
 
 

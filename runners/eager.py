@@ -38,7 +38,7 @@ class EagerRunner(Runner):
 def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch.nn.Module:
     """Construct the artifact's model and load every weight from the graphs' ONNX initializers."""
     config = artifact.config()
-    model = build_model(artifact.family, config)
+    model = build_model(artifact.family, config, init=False)  # every weight is loaded next
     protos = protos or {}
     state = model.state_dict()
     loaded = {}

@@ -193,6 +193,10 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
                     "the model was modified or corrupted, re-run `toolkit export`"
                 )
             graphs.append(GraphArtifact(entry["name"], model_path, entry))
+        for name, digest in (manifest.get("extra_files") or {}).items():
+            extra = path / Path(name).name
+            if not extra.is_file() or sha256_file(extra) != digest:
+                raise ModelFileError(f"{extra}: missing or modified (sha256 differs from the manifest); re-export")
         return Artifact(directory=path, manifest=manifest, graphs=graphs)
     model = load_onnx(path)
     props = {p.key: p.value for p in model.metadata_props}
