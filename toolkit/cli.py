@@ -29,9 +29,9 @@ def main():
 
 
 def _register() -> None:
-    from toolkit.commands import check, depth, export, inspect, presets, run, trace
+    from toolkit.commands import check, depth, export, generate, inspect, presets, run, trace
 
-    for module in (export, check, run, trace, inspect, presets, depth):
+    for module in (export, check, run, generate, trace, inspect, presets, depth):
         main.add_command(module.command)
 
 

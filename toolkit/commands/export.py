@@ -1,4 +1,4 @@
-"""`toolkit export`: build a model from a preset or config file and write an artifact directory."""
+"""`toolkit export`: build or import a model and write an artifact directory."""
 
 from __future__ import annotations
 
@@ -22,15 +22,30 @@ def resolve_model(preset: str | None, config: str | None):
 @click.command("export")
 @click.option("--preset", help="Named preset (see `toolkit presets`); default: worked-example.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="JSON file: {family, seed, config}.")
-@click.option("--variant", type=click.Choice(VARIANTS), default="stages", show_default=True,
-              help="stages: every stage as an output; serving: logits only.")
+@click.option("--from", "checkpoint", type=click.Path(),
+              help="Import a checkpoint: a Hugging Face directory (llama, gpt2) or a GGUF file (llama).")
+@click.option("--variant", type=click.Choice(VARIANTS),
+              help="stages: every stage as an output (default for presets); serving: logits only, or for "
+                   "language models the KV-cache graph (default with --from).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Artifact directory to write.")
-def command(preset, config_file, variant, out_dir):
-    """Export a model to ONNX (model.onnx + manifest.json) in OUT."""
-    spec, name = resolve_model(preset, config_file)
-    artifact = export_model(spec.build(), spec.family, spec.config, out_dir, variant=variant, preset=name,
-                            seed=spec.seed)
-    click.echo(f"exported {name or spec.name} ({spec.family}, {variant}) to {out_dir}:")
+def command(preset, config_file, checkpoint, variant, out_dir):
+    """Export a model to ONNX (graph files + manifest.json) in OUT."""
+    if checkpoint:
+        if preset or config_file:
+            raise ConfigError("give --from on its own, not with --preset or --config")
+        from models.checkpoints import import_checkpoint
+
+        imported = import_checkpoint(checkpoint)
+        extra = imported.tokenizer.files() if imported.tokenizer else {}
+        artifact = export_model(imported.model, imported.family, imported.config, out_dir,
+                                variant=variant or "serving", source=imported.source, extra_files=extra)
+        label = f"{checkpoint} ({imported.source['format']} {imported.source['architecture']})"
+    else:
+        spec, name = resolve_model(preset, config_file)
+        artifact = export_model(spec.build(), spec.family, spec.config, out_dir, variant=variant or "stages",
+                                preset=name, seed=spec.seed)
+        label = name or spec.name
+    click.echo(f"exported {label} ({artifact.family}, {artifact.variant}) to {out_dir}:")
     for graph in artifact.graphs:
         click.echo(f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
                    f"{', '.join(graph.entry['custom_ops']) or 'none'}, sha256 {graph.entry['sha256'][:12]}")

@@ -1,0 +1,179 @@
+"""Text generation on any runner that serves a KV-cache graph (eager, ONNX Runtime, reference).
+
+One graph does both phases: the prefill feeds the prompt with an empty cache
+(T_past = 0), each decode step feeds one token with the cache it got back.
+On ONNX Runtime the cache stays in OrtValues bound with IO binding, so no
+step copies it through numpy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from runners.base import Runner, check_feed
+from toolkit.errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k: expected an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ConfigError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+
+
+class Sampler:
+    def __init__(self, sampling: Sampling):
+        self.sampling = sampling
+        self.rng = np.random.default_rng(sampling.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        s = self.sampling
+        logits = np.asarray(logits, dtype=np.float64)
+        if s.temperature == 0:
+            return int(np.argmax(logits))
+        scaled = logits / s.temperature
+        if s.top_k and s.top_k < scaled.size:
+            cutoff = np.partition(scaled, -s.top_k)[-s.top_k]
+            scaled = np.where(scaled >= cutoff, scaled, -np.inf)
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        if s.top_p < 1:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(cumulative, s.top_p)) + 1]  # smallest set reaching top_p
+            mask = np.zeros_like(probs)
+            mask[keep] = probs[keep]
+            probs = mask / mask.sum()
+        return int(self.rng.choice(probs.size, p=probs))
+
+
+class CachedLM:
+    """Feeds tokens to a KV-cache graph through a runner and keeps the cache between calls."""
+
+    def __init__(self, runner: Runner, max_positions: int):
+        self.runner = runner
+        self.max_positions = max_positions
+        self.cache_names = [s["name"] for s in runner.input_specs if s["name"].startswith("past.")]
+        if not self.cache_names:
+            raise InputError(
+                "this artifact has no KV cache inputs; export it with `--variant serving` to generate text"
+            )
+        self.specs = {s["name"]: s for s in runner.input_specs}
+        self.session = getattr(runner, "session", None)  # ONNX Runtime: use IO binding
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = None
+        self.length = 0
+
+    def _empty_cache(self, batch: int) -> dict:
+        out = {}
+        for name in self.cache_names:
+            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in self.specs[name]["shape"]]
+            out[name] = np.zeros(shape, dtype=self.specs[name]["dtype"])
+        return out
+
+    def step(self, ids: np.ndarray) -> np.ndarray:
+        """Feed ids [B, T] after everything fed so far; returns logits [B, T, V]."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if self.length + ids.shape[1] > self.max_positions:
+            raise InputError(f"input 'input_ids': {self.length} cached + {ids.shape[1]} new positions exceed "
+                             f"max_positions={self.max_positions}; shorten the prompt or --max-new-tokens")
+        if self.cache is None:
+            self.cache = self._empty_cache(ids.shape[0])
+        if self.session is not None:
+            logits = self._step_bound(ids)
+        else:
+            outputs = self.runner.run({"input_ids": ids, **self.cache})
+            self.cache = {name: outputs[name.replace("past.", "present.")] for name in self.cache_names}
+            logits = outputs["logits"]
+        self.length += ids.shape[1]
+        return logits
+
+    def _step_bound(self, ids: np.ndarray) -> np.ndarray:
+        import onnxruntime as ort
+
+        if self.length == 0:  # validate the first feed fully; later ones only add our own cache
+            check_feed(self.runner.input_specs, {"input_ids": ids, **self.cache}, self.runner.config)
+        elif ids.min() < 0 or ids.max() >= self.runner.config.vocab_size:
+            check_feed(self.runner.input_specs, {"input_ids": ids, **self._empty_cache(ids.shape[0])},
+                       self.runner.config)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        for name in self.cache_names:
+            value = self.cache[name]
+            if isinstance(value, np.ndarray):
+                value = ort.OrtValue.ortvalue_from_numpy(value)
+            binding.bind_ortvalue_input(name, value)
+        outputs = self.runner.output_names
+        for name in outputs:
+            binding.bind_output(name, "cpu")
+        start = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.runner.last_inference_time = time.perf_counter() - start
+        values = dict(zip(outputs, binding.get_outputs()))
+        self.cache = {name: values[name.replace("past.", "present.")] for name in self.cache_names}
+        return values["logits"].numpy()
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" when a stop token ended it
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    step_logits: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+
+def generate(lm: CachedLM, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling = Sampling(),
+             stop_ids: tuple[int, ...] = (), on_token: Callable[[int], None] | None = None,
+             keep_logits: bool = False) -> Generation:
+    """Prefill the prompt, then sample one token per step until a stop token or max_new_tokens."""
+    if not prompt_ids:
+        raise InputError("prompt: empty; give at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    sampler = Sampler(sampling)
+    result = Generation(prompt_ids=list(prompt_ids))
+    lm.reset()
+    start = time.perf_counter()
+    logits = lm.step(np.asarray([prompt_ids], dtype=np.int64))[0, -1]
+    result.prefill_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    while True:
+        if keep_logits:
+            result.step_logits.append(np.array(logits, copy=True))
+        token = sampler(logits)
+        result.tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+        if token in stop_ids:
+            result.finish_reason = "stop"
+            break
+        if len(result.tokens) >= max_new_tokens:
+            break
+        logits = lm.step(np.asarray([[token]], dtype=np.int64))[0, -1]
+    result.decode_seconds = time.perf_counter() - start
+    return result
