@@ -11,7 +11,9 @@ import torch
 
 from models.registry import get_family
 from runners.compare import Comparison, ToleranceConfig, compare
+from models.registry import has_cache
 from runners.eager import model_from_artifact
+from runners.generate import CachedLM
 from runners.registry import DEFAULT_BACKENDS, check_backend, create_runner
 from toolkit.artifacts import Artifact, load_onnx
 from toolkit.configs import PRESETS
@@ -150,15 +152,22 @@ def cross_check(
     sequence: int | None = None,
     seed: int = 0,
     tolerances: ToleranceConfig | None = None,
+    decode_steps: int = 0,
 ) -> CheckReport:
     """Run every backend on every graph and compare each stage with the float64 eager oracle.
 
     Graphs run in order; a later graph's inputs that an earlier graph produces
     (the decoder's `encoder_output`) come from the oracle, cast to float32, so
     each graph is judged on identical inputs.
+
+    decode_steps > 0 (KV-cache artifacts): after the prefill every backend
+    decodes that many steps through its own cache, fed the oracle's greedy
+    tokens, and each step's logits are compared as `decode.{k}.logits`.
     """
     if not backends:
         raise ConfigError("no backends to check; name at least one, e.g. --backends eager,ort-cpu")
+    if decode_steps and not has_cache(artifact.graphs[0].input_specs):
+        raise ConfigError("--decode-steps needs a KV-cache artifact; export a language model with --variant serving")
     for name in backends:
         check_backend(name)  # fail on a typo before any model is built
     if inputs is None:
@@ -176,6 +185,17 @@ def cross_check(
         eager32 = create_runner("eager", artifact, graph.name, protos=protos, eager_model=eager32_model)
         eager32_outputs.update(eager32.run(feeds[graph.name]))
     stages = list(artifact.output_names)
+    if decode_steps:
+        lengths = [len(inputs["input_ids"][0]), decode_steps]
+        if sum(lengths) > artifact.config().max_positions:
+            raise InputError(f"prompt {lengths[0]} + {decode_steps} decode steps exceed max_positions="
+                             f"{artifact.config().max_positions}")
+        oracle = create_runner("eager-f64", artifact, protos=protos, eager_model=oracle_model)
+        decoded, tokens = _decode(oracle, artifact, inputs["input_ids"], decode_steps)
+        reference.update(decoded)
+        eager32 = create_runner("eager", artifact, protos=protos, eager_model=eager32_model)
+        eager32_outputs.update(_decode(eager32, artifact, inputs["input_ids"], decode_steps, tokens)[0])
+        stages += list(decoded)
     # The float32 eager model's own error is the yardstick for every backend's tolerance.
     calibration = {name: float(np.max(np.abs(eager32_outputs[name].astype(np.float64) - reference[name]), initial=0.0))
                    for name in stages}
@@ -194,7 +214,22 @@ def cross_check(
             outputs.update(runner.run(feeds[graph.name]))
             seconds += runner.last_inference_time or 0.0
             device = runner.device
+        if decode_steps:
+            outputs.update(_decode(runner, artifact, inputs["input_ids"], decode_steps, tokens)[0])
         comparison = compare(reference, outputs, dtype="float32", tolerances=tolerances,
                              calibration=calibration, order=stages)
         report.backends.append(BackendResult(name, device, comparison, seconds))
     return report
+
+
+def _decode(runner, artifact: Artifact, prompt: np.ndarray, steps: int, tokens: list | None = None):
+    """Prefill `prompt` then decode `steps` tokens, greedily or replaying `tokens`; logits per step."""
+    lm = CachedLM(runner, artifact.config().max_positions)
+    logits = lm.step(prompt)[:, -1:]
+    chosen, outputs = [], {}
+    for k in range(steps):
+        token = logits.argmax(-1) if tokens is None else tokens[k]  # (B, 1)
+        chosen.append(token)
+        logits = lm.step(np.asarray(token, dtype=np.int64))
+        outputs[f"decode.{k}.logits"] = np.asarray(logits)
+    return outputs, chosen

@@ -25,9 +25,11 @@ from toolkit.reports import text_table, to_json, to_junit
 @click.option("--batch", type=int, help="Batch size of the random feed.")
 @click.option("--seq-len", type=int, help="Sequence length of the random feed.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
+@click.option("--decode-steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="KV-cache artifacts: also compare N greedy decode steps, each backend through its own cache.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--junit", "junit_file", type=click.Path(dir_okay=False), help="Write a JUnit XML report here.")
-def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, json_file, junit_file):
+def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, decode_steps, json_file, junit_file):
     """Compare every backend with the float64 eager oracle; exit 0 only if all match.
 
     With no ARTIFACT_DIR the built-in worked example is exported to a temporary
@@ -46,7 +48,7 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, j
             export_model(spec.build(), spec.family, spec.config, artifact_dir, preset=spec.name, seed=spec.seed)
             click.echo(f"exported preset {spec.name!r} to a temporary directory")
         report = cross_check(load_artifact(artifact_dir), names, inputs=inputs, batch=batch, sequence=seq_len,
-                             seed=seed)
+                             seed=seed, decode_steps=decode_steps)
     click.echo(text_table(report))
     if json_file:
         write_text_atomically(json_file, to_json(report))
