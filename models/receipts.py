@@ -20,8 +20,9 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     valid = targets != ignore_index
     if not bool(valid.any()):
         raise ValueError("token_cross_entropy: every target is padding; nothing to average")
-    per_token = F.cross_entropy(logits.reshape(B * T, V), targets.reshape(B * T).clamp(min=0), reduction="none")
-    return (per_token * valid.reshape(-1)).sum() / valid.sum()
+    # Only valid positions enter the loss at all: a padded position's logits never reach it (not even x 0,
+    # which would turn an -inf logit into NaN).
+    return F.cross_entropy(logits[valid], targets[valid], reduction="mean")
 
 
 def gradient_receipt(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
