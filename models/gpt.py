@@ -83,17 +83,17 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, past=None) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, past=None, past_mask=None, position_ids=None) -> dict[str, torch.Tensor]:
         """Stages by name; with `past` (one cache pair per block) also `present.{i}.key/value`."""
         B, T = input_ids.shape
         start = past_length(past)
         if not torch.onnx.is_in_onnx_export():
             check_token_ids(input_ids, self.config, start)
         # Every window starts at position 0; cached tokens hold the positions before T_past.
-        positions = torch.arange(T, device=input_ids.device) + start
+        positions = torch.arange(T, device=input_ids.device) + start if position_ids is None else position_ids
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (B, T, width)
         stages = {"embed_tokens": x}
-        x = run_stack(self.block, x, stages, "block", past=past)
+        x = run_stack(self.block, x, stages, "block", past=past, past_mask=past_mask, position_ids=position_ids)
         stages["final_norm"] = self.final_norm(x)
         stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
         return stages

@@ -56,11 +56,13 @@ class Attention(nn.Module):
         if self.rope:
             self.register_buffer("inv_freq", rope_inverse_frequencies(self.head_width, rope_base), persistent=False)
 
-    def forward(self, x, memory=None, position_offset: int = 0, past=None):
+    def forward(self, x, memory=None, position_offset: int = 0, past=None, past_mask=None, position_ids=None):
         """Returns (output, probabilities), plus (keys, values) for the cache when `past` is given.
 
         past: (keys, values) of earlier positions, each (B, kv_heads, T_past, head_width), after
-        RoPE; T_past may be 0. The new tokens sit at positions T_past + position_offset + [0, T).
+        RoPE; T_past may be 0. The new tokens sit at positions T_past + position_offset + [0, T),
+        or at `position_ids` (B, T) when rows of a batch have different histories; past_mask
+        (B, T_past) marks the cache slots that hold real tokens (the rest is padding).
         """
         B, T, d = x.shape
         source = x if memory is None else memory
@@ -71,13 +73,17 @@ class Attention(nn.Module):
         if past is not None:
             position_offset = position_offset + past[0].shape[2]
         if self.rope:
-            positions = torch.arange(T, device=x.device) + position_offset
+            positions = torch.arange(T, device=x.device) + position_offset if position_ids is None else position_ids
             q = apply_rope(q, positions, self.inv_freq, self.rope_pairing)
             k = apply_rope(k, positions, self.inv_freq, self.rope_pairing)
         if past is not None:
             k = torch.cat((past[0], k), dim=2)  # (B, kv_heads, T_past + T, head_width)
             v = torch.cat((past[1], v), dim=2)  # (B, kv_heads, T_past + T, head_width)
-        out, probs = attention(q, k, v, causal=self.causal)
+        key_mask = None
+        if past_mask is not None:
+            new = torch.ones(B, T, dtype=torch.bool, device=x.device)
+            key_mask = torch.cat((past_mask.to(torch.bool), new), dim=1)  # (B, T_past + T)
+        out, probs = attention(q, k, v, causal=self.causal, key_mask=key_mask)
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, d))  # (B, T, width)
         return (out, probs) if past is None else (out, probs, (k, v))
 
@@ -155,10 +161,12 @@ class Block(nn.Module):
 
     placement: str = "pre"
 
-    def forward(self, x, memory=None, position_offset: int = 0, past=None) -> dict[str, torch.Tensor]:
+    def forward(self, x, memory=None, position_offset: int = 0, past=None, past_mask=None,
+                position_ids=None) -> dict[str, torch.Tensor]:
         """Stages by name; with `past` (the self-attention cache) also "present.key"/"present.value"."""
         stages: dict[str, torch.Tensor] = {}
-        x = self._attend("attention", x, lambda h: self.attention(h, None, position_offset, past), stages)
+        x = self._attend("attention", x,
+                         lambda h: self.attention(h, None, position_offset, past, past_mask, position_ids), stages)
         if memory is not None:
             x = self._attend("cross_attention", x, lambda h: self.cross_attention(h, memory), stages)
         if self.placement == "pre":
@@ -189,7 +197,8 @@ class Block(nn.Module):
         return h
 
 
-def run_stack(blocks, x, stages: dict, prefix: str, *, memory=None, position_offset: int = 0, past=None):
+def run_stack(blocks, x, stages: dict, prefix: str, *, memory=None, position_offset: int = 0, past=None,
+              past_mask=None, position_ids=None):
     """Run blocks in order, naming their stages `{prefix}.{i}.{stage}`; returns the last output.
 
     With `past` (one (keys, values) pair per block) the caches come back as
@@ -201,6 +210,10 @@ def run_stack(blocks, x, stages: dict, prefix: str, *, memory=None, position_off
             kwargs["memory"] = memory
         if past is not None:
             kwargs["past"] = past[i]
+        if past_mask is not None:
+            kwargs["past_mask"] = past_mask
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
         block_stages = block(x, **kwargs)
         if past is not None:
             stages[f"present.{i}.key"] = block_stages.pop("present.key")

@@ -103,8 +103,9 @@ class DecoderBlock(Block):
         self.feed_forward_norm = RMSNorm(config.width, config.eps)
         self.feed_forward = SwiGLU(config.width, config.ff_width)
 
-    def forward(self, x: torch.Tensor, position_offset: int = 0, past=None) -> dict[str, torch.Tensor]:
-        return super().forward(x, None, position_offset, past)
+    def forward(self, x: torch.Tensor, position_offset: int = 0, past=None, past_mask=None,
+                position_ids=None) -> dict[str, torch.Tensor]:
+        return super().forward(x, None, position_offset, past, past_mask, position_ids)
 
 
 class ProbedBlock(nn.Module):
@@ -142,15 +143,18 @@ class Decoder(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_offset: int = 0, past=None) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, position_offset: int = 0, past=None, past_mask=None,
+                position_ids=None) -> dict[str, torch.Tensor]:
         """Stages by name. `past`: one (keys, values) cache pair per block (T_past may be 0); then the
-        updated caches come back as `present.{i}.key/value` and positions continue after T_past."""
+        updated caches come back as `present.{i}.key/value` and positions continue after T_past.
+        Batched serving passes past_mask (B, T_past; 0 = padding slot) and position_ids (B, T)."""
         B, T = input_ids.shape
         if not torch.onnx.is_in_onnx_export():
             check_token_ids(input_ids, self.config, position_offset + past_length(past))
         x = self.embed_tokens(input_ids)  # (B, T, width)
         stages = {"embed_tokens": x}
-        x = run_stack(self.block, x, stages, "block", position_offset=position_offset, past=past)
+        x = run_stack(self.block, x, stages, "block", position_offset=position_offset, past=past,
+                      past_mask=past_mask, position_ids=position_ids)
         stages["final_norm"] = self.final_norm(x)
         stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
         return stages

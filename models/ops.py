@@ -50,10 +50,13 @@ def rope_inverse_frequencies(head_width: int, base: float) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, pairing: str) -> torch.Tensor:
     """Rotate dimension pairs of x [B, heads, T, head_width] by angle pos * inv_freq[i].
 
+    positions: (T,) shared by the batch, or (B, T) per row (batched serving).
     pairing "interleaved" rotates (2i, 2i+1); "half" rotates (i, i + head_width/2),
     the Hugging Face layout.
     """
-    angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # (T, head_width/2)
+    angles = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (T, head_width/2) or (B, T, head_width/2)
+    if angles.ndim == 3:
+        angles = angles[:, None]  # (B, 1, T, head_width/2): every head of a row shares its positions
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     if pairing == "interleaved":
         first, second = x[..., 0::2], x[..., 1::2]  # (B, heads, T, head_width/2) each
@@ -64,13 +67,15 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(head_width) [+ causal mask]) v, returning (output, probabilities).
 
     q: (B, heads, T_q, head_width); k, v: (B, kv_heads, T_k, head_width), kv_heads dividing heads
     (grouped-query attention repeats each K/V head for heads/kv_heads query heads).
     With causal=True, T_k >= T_q and the last T_q keys are the queries' own positions
     (earlier ones are cached); future keys get -inf so their probabilities are exactly 0.
+    key_mask (B, T_k) additionally hides keys per row (padding in a batched cache).
     """
     _, heads, t_q, head_width = q.shape
     kv_heads, t_k = k.shape[1], k.shape[2]
@@ -83,6 +88,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         key_pos = torch.arange(t_k, device=q.device)
         future = key_pos[None, :] > query_pos[:, None]  # (T_q, T_k)
         scores = scores.masked_fill(future, float("-inf"))
+    if key_mask is not None:
+        # key_mask (B, T_k), True where a key may be attended (padding slots of a batched cache are False).
+        scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     return probs @ v, probs
 

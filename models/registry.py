@@ -92,8 +92,10 @@ def _cache_pairs(flat):
 def _language_model(config, stages) -> tuple[GraphSpec, ...]:
     """A causal LM: the stages graph without a cache, the serving graph with a KV cache.
 
-    Serving inputs: input_ids [B, T_new] and past.{i}.key/value [B, kv_heads, T_past, head_width]
-    (T_past = 0 for the prefill); outputs: logits and present.{i}.key/value (T_past + T_new).
+    Serving inputs: input_ids [B, T_new], position_ids [B, T_new], past_mask [B, T_past]
+    (1 = a real cached token, 0 = a padding slot of a batched cache) and past.{i}.key/value
+    [B, kv_heads, T_past, head_width] (T_past = 0 for the prefill); outputs: logits and
+    present.{i}.key/value (T_past + T_new). Rows of one batch may have different histories.
     """
     kv_heads = getattr(config, "kv_heads", config.heads)
     cache_shape = ("batch", kv_heads, "past_sequence", config.head_width)
@@ -102,13 +104,35 @@ def _language_model(config, stages) -> tuple[GraphSpec, ...]:
         for kind in ("key", "value"):
             past.append(InputSpec(f"past.{i}.{kind}", "float32", cache_shape))
             present.append(f"present.{i}.{kind}")
+    serving_inputs = (_ids(), InputSpec("position_ids", "int64", ("batch", "sequence")),
+                      InputSpec("past_mask", "int64", ("batch", "past_sequence")), *past)
+
+    def serving_run(model, ids, position_ids, past_mask, *flat):
+        return model(ids, past=_cache_pairs(flat), past_mask=past_mask, position_ids=position_ids)
+
     return (GraphSpec("model", (_ids(),), tuple(stages), tuple(present), lambda model, ids: model(ids),
-                      serving_inputs=(_ids(), *past),
-                      serving_run=lambda model, ids, *flat: model(ids, past=_cache_pairs(flat))),)
+                      serving_inputs=serving_inputs, serving_run=serving_run),)
 
 
 def has_cache(input_specs) -> bool:
     return any(spec["name"].startswith("past.") for spec in input_specs)
+
+
+def lm_defaults(specs, input_ids: np.ndarray, past_length: int = 0) -> dict[str, np.ndarray]:
+    """The serving inputs a single-history feed implies: an empty (or given-length) cache of real
+    tokens and positions continuing after it."""
+    batch, new = input_ids.shape
+    out = {}
+    for spec in specs:
+        name = spec["name"]
+        if name == "position_ids":
+            out[name] = np.broadcast_to(np.arange(past_length, past_length + new, dtype=np.int64), (batch, new)).copy()
+        elif name == "past_mask":
+            out[name] = np.ones((batch, past_length), dtype=np.int64)
+        elif name.startswith("past.") and past_length == 0:
+            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec["shape"]]
+            out[name] = np.zeros(shape, dtype=spec["dtype"])
+    return out
 
 
 def _ids(name="input_ids", axis="sequence"):

@@ -98,8 +98,15 @@ def _check_against_config(feed, symbols, config) -> None:
                 f"input {symbols['sequence'][1]!r}: cached {symbols['past_sequence'][0]} + new "
                 f"{symbols['sequence'][0]} positions exceed max_positions={config.max_positions}"
             )
+    positions = feed.get("position_ids")
+    if positions is not None and positions.size and (positions.min() < 0 or positions.max() >= config.max_positions):
+        bad = int(positions.min()) if positions.min() < 0 else int(positions.max())
+        raise InputError(f"input 'position_ids': position {bad} is outside [0, {config.max_positions})")
+    mask = feed.get("past_mask")
+    if mask is not None and mask.size and not np.isin(mask, (0, 1)).all():
+        raise InputError("input 'past_mask': expected only 0 (padding) and 1 (real token) values")
     for name, ids in feed.items():
-        if not name.endswith("_ids") or not hasattr(config, "vocab_size"):
+        if not name.endswith("_ids") or name == "position_ids" or not hasattr(config, "vocab_size"):
             continue
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= config.vocab_size:

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from models.registry import lm_defaults
 from runners.base import Runner, check_feed
 from toolkit.errors import ConfigError, InputError
 
@@ -83,11 +84,13 @@ class CachedLM:
         self.length = 0
 
     def _empty_cache(self, batch: int) -> dict:
-        out = {}
-        for name in self.cache_names:
-            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in self.specs[name]["shape"]]
-            out[name] = np.zeros(shape, dtype=self.specs[name]["dtype"])
-        return out
+        ids = np.zeros((batch, 1), dtype=np.int64)
+        return {k: v for k, v in lm_defaults(self.runner.input_specs, ids).items() if k.startswith("past.")}
+
+    def _extras(self, ids: np.ndarray) -> dict:
+        """position_ids / past_mask for a single history of self.length tokens."""
+        out = lm_defaults(self.runner.input_specs, ids, self.length)
+        return {k: v for k, v in out.items() if not k.startswith("past.")}
 
     def step(self, ids: np.ndarray) -> np.ndarray:
         """Feed ids [B, T] after everything fed so far; returns logits [B, T, V]."""
@@ -100,7 +103,7 @@ class CachedLM:
         if self.session is not None:
             logits = self._step_bound(ids)
         else:
-            outputs = self.runner.run({"input_ids": ids, **self.cache})
+            outputs = self.runner.run({"input_ids": ids, **self._extras(ids), **self.cache})
             self.cache = {name: outputs[name.replace("past.", "present.")] for name in self.cache_names}
             logits = outputs["logits"]
         self.length += ids.shape[1]
@@ -109,13 +112,17 @@ class CachedLM:
     def _step_bound(self, ids: np.ndarray) -> np.ndarray:
         import onnxruntime as ort
 
+        extras = self._extras(ids)
         if self.length == 0:  # validate the first feed fully; later ones only add our own cache
-            check_feed(self.runner.input_specs, {"input_ids": ids, **self.cache}, self.runner.config)
+            check_feed(self.runner.input_specs, {"input_ids": ids, **extras, **self.cache}, self.runner.config)
         elif ids.min() < 0 or ids.max() >= self.runner.config.vocab_size:
-            check_feed(self.runner.input_specs, {"input_ids": ids, **self._empty_cache(ids.shape[0])},
+            blank = np.zeros((ids.shape[0], 1), dtype=np.int64)
+            check_feed(self.runner.input_specs, {"input_ids": ids, **lm_defaults(self.runner.input_specs, blank)},
                        self.runner.config)
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", ids)
+        for name, value in extras.items():
+            binding.bind_cpu_input(name, value)
         for name in self.cache_names:
             value = self.cache[name]
             if isinstance(value, np.ndarray):

@@ -11,7 +11,7 @@ import torch
 
 from models.registry import get_family
 from runners.compare import Comparison, ToleranceConfig, compare
-from models.registry import has_cache
+from models.registry import has_cache, lm_defaults
 from runners.eager import model_from_artifact
 from runners.generate import CachedLM
 from runners.registry import DEFAULT_BACKENDS, check_backend, create_runner
@@ -129,18 +129,9 @@ def graph_feed(graph, inputs: dict, produced: dict) -> dict:
         elif spec["name"] in produced:
             feed[spec["name"]] = np.asarray(produced[spec["name"]]).astype(spec["dtype"])
     if "input_ids" in feed and not any(name.startswith("past.") for name in inputs):
-        feed.update(empty_cache(graph.input_specs, batch=feed["input_ids"].shape[0]))
+        implied = lm_defaults(graph.input_specs, feed["input_ids"])
+        feed.update({name: value for name, value in implied.items() if name not in inputs})
     return feed
-
-
-def empty_cache(specs, batch: int) -> dict[str, np.ndarray]:
-    """Zero-length past.* arrays: the cache of a prefill."""
-    cache = {}
-    for spec in specs:
-        if spec["name"].startswith("past."):
-            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec["shape"]]
-            cache[spec["name"]] = np.zeros(shape, dtype=spec["dtype"])
-    return cache
 
 
 def cross_check(
