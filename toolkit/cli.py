@@ -29,9 +29,9 @@ def main():
 
 
 def _register() -> None:
-    from toolkit.commands import check, depth, export, generate, inspect, presets, run, trace
+    from toolkit.commands import check, depth, export, generate, inspect, presets, run, serve, trace
 
-    for module in (export, check, run, generate, trace, inspect, presets, depth):
+    for module in (export, check, run, generate, serve, trace, inspect, presets, depth):
         main.add_command(module.command)
 
 
