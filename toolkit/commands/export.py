@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from exporters.onnx_export import VARIANTS, export_model
@@ -28,7 +30,12 @@ def resolve_model(preset: str | None, config: str | None):
               help="stages: every stage as an output (default for presets); serving: logits only, or for "
                    "language models the KV-cache graph (default with --from).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Artifact directory to write.")
-def command(preset, config_file, checkpoint, variant, out_dir):
+@click.option("--triton-repo", type=click.Path(file_okay=False),
+              help="Also write a Triton model repository (onnxruntime backend) here.")
+@click.option("--triton-device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Instance group kind in the Triton config.")
+@click.option("--triton-instances", type=click.IntRange(min=1), default=1, show_default=True)
+def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, triton_device, triton_instances):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
     if checkpoint:
         if preset or config_file:
@@ -49,3 +56,9 @@ def command(preset, config_file, checkpoint, variant, out_dir):
     for graph in artifact.graphs:
         click.echo(f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
                    f"{', '.join(graph.entry['custom_ops']) or 'none'}, sha256 {graph.entry['sha256'][:12]}")
+    if triton_repo:
+        from exporters.triton import write_triton_repo
+
+        name = artifact.manifest.get("preset") or Path(out_dir).name
+        target = write_triton_repo(artifact, triton_repo, name, device=triton_device, instances=triton_instances)
+        click.echo(f"wrote Triton model {name!r} to {target} ({triton_device}, {triton_instances} instance(s))")
