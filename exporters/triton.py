@@ -8,12 +8,11 @@ an instance group on CPU or GPU. Written atomically like an artifact.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from toolkit.artifacts import Artifact
+from toolkit.artifacts import Artifact, swap_in
 from toolkit.errors import ExportError, ModelFileError
 
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "bool": "TYPE_BOOL"}
@@ -69,14 +68,7 @@ def write_triton_repo(artifact: Artifact, repo: str | Path, name: str, **options
         (tmp / "1").mkdir()
         shutil.copyfile(artifact.graph().model_path, tmp / "1" / "model.onnx")
         (tmp / "config.pbtxt").write_text(text)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=repo))
-            os.rmdir(old)
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
+        swap_in(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -148,21 +148,26 @@ def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> No
                 os.fsync(handle.fileno())
         if verify is not None:
             verify(tmp)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=parent))
-            os.rmdir(old)
-            os.rename(out_dir, old)
-            try:
-                os.rename(tmp, out_dir)
-            except BaseException:
-                os.rename(old, out_dir)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        swap_in(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Replace `target` with the finished directory `tmp` (same parent); on failure `target` is restored."""
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.resolve().parent))
+        os.rmdir(old)
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
 
 
 def load_artifact(path: str | os.PathLike) -> Artifact:
