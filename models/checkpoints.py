@@ -90,9 +90,10 @@ def _llama_config(hf: dict, where: Path) -> DecoderConfig:
             raise ModelFileError(f"{where}: {flag}=true is not supported (the LLaMA family is bias-free)")
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type not in (None, "default"):
-        raise ModelFileError(f"{where}: rope scaling {rope_type!r} is not supported; supported: default")
+    for source in (rope, scaling):  # either key may carry the scaling; transformers honours both
+        rope_type = source.get("rope_type", source.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ModelFileError(f"{where}: rope scaling {rope_type!r} is not supported; supported: default")
     heads = _get(hf, "num_attention_heads", where)
     width = _get(hf, "hidden_size", where)
     if hf.get("head_dim") not in (None, width // heads):
@@ -271,6 +272,12 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
         return value
 
     tensors_by_name = {t.name: t for t in reader.tensors}
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    factor = fields.get(f"{arch}.rope.scaling.factor", 1.0)
+    if scaling not in ("none", None) or factor not in (0, 1, 1.0) or "rope_freqs.weight" in tensors_by_name:
+        raise ModelFileError(f"{path}: RoPE scaling (type {scaling!r}, factor {factor}, rope_freqs "
+                             f"{'present' if 'rope_freqs.weight' in tensors_by_name else 'absent'}) is not supported; "
+                             "supported: unscaled RoPE")
     heads = int(meta("attention.head_count"))
     vocab = int(fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", [])))
     try:
@@ -335,4 +342,4 @@ def _gguf_names(c: DecoderConfig, lazy: dict, where) -> dict:
             state[ours + dst] = take(g + src, shape)
     state["final_norm.weight"] = take("output_norm.weight", (d,))
     state["lm_head.weight"] = state["embed_tokens.weight"] if c.tie_embeddings else take("output.weight", (c.vocab_size, d))
-    return _finish(state, {n: None for n in lazy if not n.endswith("rope_freqs.weight")}, where)
+    return _finish(state, lazy, where)

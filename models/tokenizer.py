@@ -101,8 +101,12 @@ class TextTokenizer:
             value = value.get("content") if isinstance(value, dict) else value
             return backend.token_to_id(value) if isinstance(value, str) else None
 
-        return cls(backend, bos_id=special("bos_token"), eos_id=special("eos_token"),
-                   add_bos=bool(config.get("add_bos_token", False)), chat_template=config.get("chat_template"))
+        bos_id = special("bos_token")
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # no explicit flag: follow tokenizer.json's post-processor (Llama 3 prepends BOS there)
+            add_bos = bos_id is not None and backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+        return cls(backend, bos_id=bos_id, eos_id=special("eos_token"), add_bos=bool(add_bos),
+                   chat_template=config.get("chat_template"))
 
     @classmethod
     def from_gguf(cls, fields: dict) -> TextTokenizer:

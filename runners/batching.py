@@ -122,6 +122,7 @@ class BatchEngine:
             except queue.Empty:
                 return
             if request.cancelled:
+                request.emit("done", "cancelled")
                 continue
             try:
                 self._prefill(request)

@@ -143,6 +143,7 @@ def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch:
         try:
             prompt = tokenizer.apply_chat_template(messages)
         except ModelFileError as exc:
+            metrics.requests.labels("/v1/chat/completions", "400").inc()
             return error(400, str(exc), "messages")
         return await serve(request, "/v1/chat/completions", body, prompt, chat=True)
 
@@ -155,6 +156,7 @@ def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch:
             return error(400, f"max_tokens: {body.max_tokens} exceeds the server limit {max_tokens}", "max_tokens")
         prompt_ids = tokenizer.encode(prompt)
         if not prompt_ids:
+            metrics.requests.labels(endpoint, "400").inc()
             return error(400, "prompt: empty after tokenization", "prompt")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         loop = asyncio.get_running_loop()
@@ -176,15 +178,30 @@ def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch:
         usage = lambda n: {"prompt_tokens": len(prompt_ids), "completion_tokens": n,  # noqa: E731
                            "total_tokens": len(prompt_ids) + n}
 
+        def held_back(full: str) -> int:
+            """Characters at the end of `full` that could still grow into a stop string."""
+            hold = 0
+            for stop in stops:
+                for k in range(min(len(stop) - 1, len(full)), hold, -1):
+                    if full.endswith(stop[:k]):
+                        hold = k
+                        break
+            return hold
+
         async def produce():
-            """Yield (text delta, finish_reason or None); applies stop strings on the decoded text."""
+            """Yield (text delta, finish_reason or None, tokens); stop strings apply to the decoded text.
+
+            Text that might be the start of a stop string, or an incomplete UTF-8 sequence, is held
+            back until it is decided; whatever is left is flushed when generation ends.
+            """
             text, tokens = "", []
             while True:
                 kind, value = await events.get()
                 if kind == "error":
                     raise RuntimeError(value)
                 if kind == "done":
-                    yield "", ("stop" if value == "stop" else "length"), tokens
+                    rest = tokenizer.decode([t for t in tokens if t not in stop_ids])[len(text):]
+                    yield rest, ("stop" if value == "stop" else "length"), tokens
                     return
                 tokens.append(value)
                 metrics.tokens.inc()
@@ -193,15 +210,16 @@ def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch:
                 if value in stop_ids:
                     continue
                 full = tokenizer.decode(tokens)
-                if full.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence; wait for the rest
                 cut = min((full.find(s) for s in stops if s and s in full), default=-1)
                 if cut >= 0:
                     job.cancel()
-                    yield full[len(text):cut] if cut > len(text) else "", "stop", tokens
+                    yield full[len(text):cut], "stop", tokens
                     return
-                delta, text = full[len(text):], full
-                if delta:
+                if full.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence; wait for the rest
+                end = len(full) - held_back(full)
+                if end > len(text):
+                    delta, text = full[len(text):end], full[:end]
                     yield delta, None, tokens
 
         def choice(delta: str, finish, stream: bool):

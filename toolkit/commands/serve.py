@@ -17,11 +17,27 @@ import click
               help="Largest max_tokens a request may ask for.")
 def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens):
     """Serve ARTIFACT_DIR (exported with --from) with /v1/completions and /v1/chat/completions."""
+    import contextlib
+    import signal
+
     import uvicorn
 
     from toolkit.server import create_app
 
+    class Server(uvicorn.Server):
+        """uvicorn re-raises the captured signal after its graceful shutdown, so a SIGTERM'd server
+        would die with -15; here the signal only starts the shutdown and the process exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     app = create_app(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue, max_tokens=max_tokens)
     click.echo(f"serving {artifact_dir} on http://{host}:{port} ({backend}, batch {max_batch}, queue {max_queue})")
     # uvicorn stops accepting on SIGTERM, waits for in-flight requests (up to the grace period) and exits 0.
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)).run()

@@ -1,0 +1,233 @@
+"""TextTokenizer from Hugging Face directories, GGUF metadata and artifacts.
+
+Oracles: the `tokenizers` object the files were written from (encodes), hand-built id
+lists (special tokens, digit splitting), and transformers' own chat-template rendering.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from models.tokenizer import TextTokenizer
+from toolkit.errors import ModelFileError
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Block tags on their own lines: exercises trim_blocks / lstrip_blocks, which transformers also uses.
+BLOCKY = """{{ bos_token }}
+{% for m in messages %}
+    {% if m['role'] == 'user' %}
+[INST] {{ m['content'] }} [/INST]
+    {% else %}
+{{ m['content'] }}{{ eos_token }}
+    {% endif %}
+{% endfor %}
+"""
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens",
+          "export to ONNX and check 123 456 7890", "héllo wörld"] * 20
+
+
+@pytest.fixture(scope="module")
+def trained() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def hf_dir(directory: Path, tok: Tokenizer, config: dict | None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    if config is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+TEXTS = ["hello world", "the lazy fox exports 123 to ONNX", "unseen words: zebra, 42!", "héllo wörld ✓"]
+
+
+def test_hf_dir_round_trip_and_special_ids(tmp_path, trained):
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "add_bos_token": True,
+              "chat_template": CHATML}
+    tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, config))
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (trained.token_to_id("<s>"), trained.token_to_id("</s>"))
+    assert tokenizer.bos_id is not None and tokenizer.eos_id is not None
+    assert tokenizer.vocab_size == trained.get_vocab_size()
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert ids == [trained.token_to_id("<s>")] + trained.encode(text, add_special_tokens=False).ids
+        assert tokenizer.decode(ids) == text  # the BOS is special: skipped
+        assert tokenizer.decode(ids, skip_special=False) == "<s>" + text
+    assert tokenizer.token(trained.token_to_id("<|im_end|>")) == "<|im_end|>"
+
+
+def test_hf_dir_without_config_has_no_specials(tmp_path, trained):
+    tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, None))
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos, tokenizer.chat_template) == (None, None, False, None)
+    assert tokenizer.encode("hello") == trained.encode("hello").ids
+    with pytest.raises(ModelFileError, match=r"no chat template; drop --chat"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_hf_dir_without_tokenizer_json_is_none(tmp_path):
+    assert TextTokenizer.from_hf_dir(tmp_path) is None
+
+
+def test_hf_dir_bad_files(tmp_path, trained):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text('{"version": "1.0", "model": 17}')
+    with pytest.raises(ModelFileError, match=r"tokenizer\.json: not a readable tokenizer\.json"):
+        TextTokenizer.from_hf_dir(bad)
+    good = hf_dir(tmp_path / "good", trained, None)
+    (good / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(ModelFileError, match=r"tokenizer_config\.json: invalid JSON"):
+        TextTokenizer.from_hf_dir(good)
+
+
+@pytest.mark.parametrize("template", [CHATML, BLOCKY], ids=["chatml", "block-tags"])
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_renders_like_transformers(tmp_path, trained, template, generation_prompt):
+    transformers = pytest.importorskip("transformers", reason="transformers renders the reference chat template")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, config))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=trained, bos_token="<s>", eos_token="</s>",
+                                                     chat_template=template)
+    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "And 3+3?"}]
+    want = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt) == want
+
+
+def test_chatml_by_hand_and_special_tokens_encode_whole(tmp_path, trained):
+    tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, {"chat_template": CHATML}))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == ("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tokenizer.encode(text)
+    start, end = trained.token_to_id("<|im_start|>"), trained.token_to_id("<|im_end|>")
+    assert ids.count(start) == 3 and ids.count(end) == 2  # each marker is one token, not its characters
+    assert tokenizer.decode(ids) == "system\nYou are helpful.\nuser\nhi\nassistant\n"
+
+
+@pytest.mark.parametrize("template,pattern", [
+    ("{{ raise_exception('only user and assistant roles') }}", r"failed to render: only user and assistant roles"),
+    ("{{ ''.__class__.__mro__ }}", r"failed to render: access to attribute '__class__' of 'str' object is unsafe"),
+    ("{{ messages.append(1) }}", r"failed to render: access to attribute 'append' of 'list' object is unsafe"),
+    ("{% for m in messages %}", r"failed to render: .*end of template"),
+])
+def test_chat_templates_render_in_a_sandbox(tmp_path, trained, template, pattern):
+    tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, {"chat_template": template}))
+    with pytest.raises(ModelFileError, match=pattern):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_artifact_copy_round_trips(tmp_path, trained):
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHATML}
+    source = TextTokenizer.from_hf_dir(hf_dir(tmp_path / "hf", trained, config))
+    out = tmp_path / "artifact"
+    out.mkdir()
+    for name, data in source.files().items():
+        (out / name).write_bytes(data)
+    copy = TextTokenizer.from_artifact(out)
+    assert (copy.bos_id, copy.eos_id, copy.add_bos, copy.chat_template) == \
+        (source.bos_id, source.eos_id, True, CHATML)
+    for text in TEXTS:
+        assert copy.encode(text) == source.encode(text)
+    (out / "tokenizer_config.json").unlink()
+    with pytest.raises(ModelFileError, match=r"cannot read the tokenizer .*; re-export with --from"):
+        TextTokenizer.from_artifact(out)
+
+
+# --------------------------------------------------------------------------- GGUF metadata
+
+
+def gguf_fields(tok: Tokenizer, **overrides) -> dict:
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    tokens = [None] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]],
+        "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
+        "tokenizer.ggml.bos_token_id": vocab["<|im_start|>"],
+        "tokenizer.ggml.eos_token_id": vocab["<|im_end|>"],
+        "tokenizer.chat_template": CHATML,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def test_gguf_tokenizer_matches_the_source_tokenizer(trained):
+    tokenizer = TextTokenizer.from_gguf(gguf_fields(trained))
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos) == \
+        (trained.token_to_id("<|im_start|>"), trained.token_to_id("<|im_end|>"), False)
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
+        ids = tokenizer.encode(text)
+        assert ids == trained.encode(text).ids
+        assert tokenizer.decode(ids, skip_special=False) == text
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>hi<|im_end|>")) == "hi"
+    assert tokenizer.chat_template == CHATML
+
+
+def test_gguf_add_bos_prepends_it(trained):
+    tokenizer = TextTokenizer.from_gguf(gguf_fields(trained, **{"tokenizer.ggml.add_bos_token": True}))
+    assert tokenizer.encode("hello") == [trained.token_to_id("<|im_start|>")] + trained.encode("hello").ids
+
+
+def test_gguf_smollm_pre_tokenizer_splits_digits(trained):
+    vocab = trained.get_vocab()
+    digits = "1234567890"
+    assert any(vocab.get(digits[i:i + 2]) is not None for i in range(9)), "the corpus should have merged digits"
+    plain = TextTokenizer.from_gguf(gguf_fields(trained))
+    smollm = TextTokenizer.from_gguf(gguf_fields(trained, **{"tokenizer.ggml.pre": "smollm"}))
+    assert smollm.encode("7890") == [vocab[d] for d in "7890"]
+    assert len(plain.encode("7890")) < 4  # the gpt2 regex keeps digit runs, so merges apply
+    assert smollm.decode(smollm.encode("call 123 now")) == "call 123 now"
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("tokenizer.ggml.model", "llama", r"GGUF tokenizer model 'llama' is not supported; supported: 'gpt2'"),
+    ("tokenizer.ggml.pre", "qwen2", r"GGUF pre-tokenizer 'qwen2' is not supported; supported: gpt2, smollm"),
+])
+def test_gguf_unsupported_tokenizers(trained, key, value, pattern):
+    with pytest.raises(ModelFileError, match=pattern):
+        TextTokenizer.from_gguf(gguf_fields(trained, **{key: value}))
+
+
+def test_added_special_tokens_are_not_split(trained):
+    """A special token added after training (AddedToken) is one id in the HF-dir tokenizer too."""
+    tok = Tokenizer.from_str(trained.to_str())
+    tok.add_special_tokens([AddedToken("<tool>", special=True, normalized=False)])
+    tokenizer = TextTokenizer(tok, bos_id=None, eos_id=None, add_bos=False, chat_template=None)
+    ids = tokenizer.encode("a<tool>b")
+    assert tok.token_to_id("<tool>") in ids and tokenizer.decode(ids) == "ab"
+
+
+def test_bos_from_the_post_processor_is_kept_like_transformers(tmp_path, trained):
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    from tokenizers import processors
+
+    tok = Tokenizer.from_str(trained.to_str())
+    bos = ("<s>", tok.token_to_id("<s>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
+    directory = hf_dir(tmp_path, tok, {"bos_token": "<s>", "eos_token": "</s>",
+                                       "tokenizer_class": "PreTrainedTokenizerFast"})
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    want = reference("hello world").input_ids
+    assert want[0] == tok.token_to_id("<s>")
+    assert TextTokenizer.from_hf_dir(directory).encode("hello world") == want

@@ -1,0 +1,236 @@
+"""Sampling and generation: the Sampler against hand values and softmax statistics, and
+generate() on eager and ONNX Runtime against a cache-free float64 greedy oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from runners.generate import CachedLM, Sampler, Sampling, generate
+from runners.registry import create_runner
+from toolkit.configs import get_preset
+from toolkit.errors import ConfigError, InputError
+
+PRESET = "decoder-small"  # random tiny LLaMA (V=96, 2 layers, max_positions=32), exported once per session
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def draws(sampling: Sampling, logits: np.ndarray, n: int) -> np.ndarray:
+    sampler = Sampler(sampling)
+    return np.array([sampler(logits) for _ in range(n)])
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = counts.sum() * probs
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token of probability 0"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square 0.999 quantiles (scipy.stats.chi2.ppf(0.999, df)): the draws are seeded, so these are
+# fixed outcomes, not flaky ones; a wrong distribution lands orders of magnitude above them.
+CHI2_999 = {2: 13.816, 5: 20.515}
+
+
+# --------------------------------------------------------------------------- Sampler
+
+
+def test_greedy_is_argmax():
+    rng = np.random.default_rng(0)
+    sampler = Sampler(Sampling())
+    for _ in range(50):
+        logits = rng.standard_normal(97).astype(np.float32) * 3
+        assert sampler(logits) == int(np.argmax(logits))
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    logits = np.random.default_rng(1).standard_normal(50)
+    a = draws(Sampling(temperature=1.0, seed=7), logits, 100)
+    b = draws(Sampling(temperature=1.0, seed=7), logits, 100)
+    c = draws(Sampling(temperature=1.0, seed=8), logits, 100)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    assert len(set(a.tolist())) > 5  # really sampling, not greedy
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.5, top_k=1, seed=3),
+                                      Sampling(temperature=2.0, top_p=1e-6, seed=4),
+                                      Sampling(temperature=1.0, top_k=5, top_p=1e-9, seed=5)],
+                         ids=["top_k=1", "tiny top_p", "both"])
+def test_degenerate_filters_are_greedy(sampling):
+    rng = np.random.default_rng(2)
+    sampler = Sampler(sampling)
+    for _ in range(50):
+        logits = rng.standard_normal(40)
+        assert sampler(logits) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_frequencies_match_softmax_of_scaled_logits(temperature):
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    counts = np.bincount(draws(Sampling(temperature=temperature, seed=11), logits, 10000), minlength=6)
+    assert chi_square(counts, softmax(logits / temperature)) < CHI2_999[5]
+    # The statistic separates temperatures: the unscaled softmax is rejected (T != 1).
+    if temperature != 1.0:
+        assert chi_square(counts, softmax(logits)) > 10 * CHI2_999[5]
+
+
+def test_top_k_renormalises_over_the_k_largest():
+    logits = np.array([0.1, 3.0, -2.0, 2.5, 2.0, 0.0])
+    counts = np.bincount(draws(Sampling(temperature=1.0, top_k=3, seed=12), logits, 10000), minlength=6)
+    assert set(np.flatnonzero(counts)) == {1, 3, 4}
+    probs = np.zeros(6)
+    probs[[1, 3, 4]] = softmax(logits[[1, 3, 4]])
+    assert chi_square(counts, probs) < CHI2_999[2]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = np.array([0.05, 0.5, 0.15, 0.3])
+    logits = np.log(probs)
+    # sorted: 0.5, 0.3 (0.8 >= 0.75) -> {1, 3}; 0.15 and 0.05 are cut
+    counts = np.bincount(draws(Sampling(temperature=1.0, top_p=0.75, seed=13), logits, 10000), minlength=4)
+    assert set(np.flatnonzero(counts)) == {1, 3}
+    assert chi_square(counts, np.array([0, 0.5, 0, 0.3]) / 0.8) < CHI2_999[2]
+    # p just above 0.8 needs the third token too
+    counts = np.bincount(draws(Sampling(temperature=1.0, top_p=0.81, seed=14), logits, 5000), minlength=4)
+    assert set(np.flatnonzero(counts)) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    ({"temperature": -1.0}, r"temperature: expected a finite number >= 0, got -1\.0"),
+    ({"temperature": float("nan")}, r"temperature: expected a finite number >= 0, got nan"),
+    ({"temperature": float("inf")}, r"temperature: expected a finite number >= 0, got inf"),
+    ({"temperature": "0.7"}, r"temperature: expected a finite number >= 0, got '0\.7'"),
+    ({"top_k": -1}, r"top_k: expected an integer >= 0, got -1"),
+    ({"top_k": 2.5}, r"top_k: expected an integer >= 0, got 2\.5"),
+    ({"top_k": True}, r"top_k: expected an integer >= 0, got True"),
+    ({"top_p": 0.0}, r"top_p: expected a number in \(0, 1\], got 0\.0"),
+    ({"top_p": 1.5}, r"top_p: expected a number in \(0, 1\], got 1\.5"),
+    ({"top_p": float("nan")}, r"top_p: expected a number in \(0, 1\], got nan"),
+])
+def test_invalid_sampling_parameters(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        Sampling(**kwargs)
+
+
+# --------------------------------------------------------------------------- generate()
+
+
+@pytest.fixture(scope="module")
+def artifact(exported):
+    return exported(PRESET, "serving")
+
+
+@pytest.fixture(scope="module")
+def config():
+    return get_preset(PRESET).config
+
+
+@pytest.fixture(scope="module")
+def prompt(config):
+    return np.random.default_rng(5).integers(0, config.vocab_size, 5).tolist()
+
+
+def lm_for(backend, artifact, config):
+    return CachedLM(create_runner(backend, artifact), config.max_positions)
+
+
+@pytest.fixture(scope="module")
+def oracle_greedy(config, prompt):
+    """20 greedy tokens from repeated cache-free float64 forwards of the model rebuilt from its seed,
+    and the logits each choice was made from."""
+    model = get_preset(PRESET).build().double()
+    ids, logits = list(prompt), []
+    with torch.no_grad():
+        for _ in range(20):
+            step = model(torch.tensor([ids]))["logits"][0, -1].numpy()
+            logits.append(step)
+            ids.append(int(step.argmax()))
+    margins = [np.sort(s)[-1] - np.sort(s)[-2] for s in logits]
+    assert min(margins) > 1e-3, "a near-tie would make greedy decoding precision-dependent"
+    return ids[len(prompt):], np.stack(logits)
+
+
+@pytest.mark.parametrize("backend", ["eager", "ort-cpu"])
+def test_greedy_generation_matches_the_cache_free_oracle(artifact, config, prompt, oracle_greedy, backend):
+    tokens, logits = oracle_greedy
+    result = generate(lm_for(backend, artifact, config), prompt, max_new_tokens=20, keep_logits=True)
+    assert result.tokens == tokens
+    assert result.finish_reason == "length" and result.prompt_ids == prompt
+    got = np.stack([s[0] if s.ndim == 2 else s for s in result.step_logits])
+    np.testing.assert_allclose(got, logits, rtol=0, atol=5e-5 * max(1.0, np.abs(logits).max()))
+
+
+def test_generation_stops_on_a_stop_id(artifact, config, prompt, oracle_greedy):
+    tokens = oracle_greedy[0]
+    k = 3
+    stop = tokens[k]
+    first = tokens.index(stop)  # an earlier occurrence stops it earlier
+    result = generate(lm_for("ort-cpu", artifact, config), prompt, max_new_tokens=20, stop_ids=(stop, 10**6))
+    assert result.finish_reason == "stop"
+    assert result.tokens == tokens[: first + 1]
+
+
+def test_tokens_stream_in_order_before_the_next_step(artifact, config, prompt):
+    lm = lm_for("ort-cpu", artifact, config)
+    seen = []
+    result = generate(lm, prompt, max_new_tokens=8, on_token=lambda t: seen.append((t, lm.length)))
+    assert [t for t, _ in seen] == result.tokens
+    # token j is streamed when the prompt and j earlier tokens have been fed, before it is fed itself
+    assert [n for _, n in seen] == [len(prompt) + j for j in range(8)]
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_max_new_tokens_is_respected(artifact, config, prompt, oracle_greedy, n):
+    result = generate(lm_for("ort-cpu", artifact, config), prompt, max_new_tokens=n)
+    assert result.tokens == oracle_greedy[0][:n] and result.finish_reason == "length"
+
+
+def test_io_binding_path_equals_the_numpy_path(artifact, config, prompt):
+    bound = lm_for("ort-cpu", artifact, config)
+    plain = lm_for("ort-cpu", artifact, config)
+    assert bound.session is not None
+    plain.session = None  # the plain runner.run path through numpy
+    sampling = Sampling(temperature=0.9, top_k=20, seed=3)
+    a = generate(bound, prompt, max_new_tokens=20, sampling=sampling, keep_logits=True)
+    b = generate(plain, prompt, max_new_tokens=20, sampling=sampling, keep_logits=True)
+    assert all(isinstance(v, ort.OrtValue) for v in bound.cache.values())  # the cache stayed in ORT
+    assert all(isinstance(v, np.ndarray) for v in plain.cache.values())
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(np.stack(a.step_logits), np.stack(b.step_logits), rtol=0, atol=1e-6)
+
+
+def test_sampled_generation_is_reproducible_and_reset_between_calls(artifact, config, prompt):
+    lm = lm_for("ort-cpu", artifact, config)
+    a = generate(lm, prompt, max_new_tokens=15, sampling=Sampling(temperature=1.5, seed=1))
+    b = generate(lm, prompt, max_new_tokens=15, sampling=Sampling(temperature=1.5, seed=1))  # same lm: reset
+    c = generate(lm, prompt, max_new_tokens=15, sampling=Sampling(temperature=1.5, seed=2))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_generation_may_fill_the_context_exactly(artifact, config):
+    m = config.max_positions
+    prompt = list(range(m - 3))
+    # The last token is sampled, never fed: prompt + 4 new tokens feeds m - 3 + 3 = m positions.
+    assert len(generate(lm_for("ort-cpu", artifact, config), prompt, max_new_tokens=4).tokens) == 4
+    with pytest.raises(InputError, match=rf"{m} cached \+ 1 new positions exceed max_positions={m}"):
+        generate(lm_for("ort-cpu", artifact, config), prompt, max_new_tokens=5)
+
+
+def test_generate_argument_errors(artifact, config, exported):
+    lm = lm_for("ort-cpu", artifact, config)
+    with pytest.raises(InputError, match=r"prompt: empty"):
+        generate(lm, [], max_new_tokens=3)
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ConfigError, match=r"max_new_tokens: expected an integer >= 1"):
+            generate(lm, [1, 2], max_new_tokens=bad)
+    with pytest.raises(InputError, match=r"token id 96 at index \(0, 1\) is outside \[0, 96\)"):
+        generate(lm, [1, 96], max_new_tokens=2)
+    with pytest.raises(InputError, match=r"no KV cache inputs; export it with `--variant serving`"):
+        CachedLM(create_runner("ort-cpu", exported("block-small")), config.max_positions)

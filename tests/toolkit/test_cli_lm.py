@@ -1,0 +1,218 @@
+"""The language-model CLI path: export --from, generate, run, check --decode-steps, and their errors.
+
+A tiny random transformers LlamaForCausalLM with a small BPE tokenizer is saved as a
+Hugging Face directory and exported once through `toolkit export --from`. Generated text
+is checked against greedy decoding of the transformers model itself (the oracle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from toolkit.cli import main
+
+transformers = pytest.importorskip("transformers", reason="transformers (the oracle) is a test extra")
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPT = "the quick brown fox"
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_user_error(result, *fragments):
+    """Exit 2, one 'Error: ...' line on stderr naming `fragments`, no traceback."""
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@torch.no_grad()
+def randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+        if p.ndim == 1:
+            p.copy_(1 + 0.1 * noise)
+        elif "embed_tokens" in name:
+            p.copy_(noise)
+        else:
+            p.copy_(noise / math.sqrt(p.shape[1]))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(directory, transformers model, tokenizers.Tokenizer): a tiny Llama with a tokenizer (one layer keeps
+    the export cheap; multi-layer caches are covered in tests/models/test_kv_cache.py)."""
+    # No full byte alphabet: every token is printable ASCII, so any id sequence decodes cleanly.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
+                                  show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world"] * 10, trainer)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48, rope_theta=500.0,
+        tie_word_embeddings=False, attn_implementation="eager", bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+    torch.manual_seed(0)
+    model = randomize(transformers.LlamaForCausalLM(config), 0)
+    directory = tmp_path_factory.mktemp("cli-lm") / "hf"
+    model.save_pretrained(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE}))
+    return directory, model, tok
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli-lm-artifact") / "artifact"
+    result = invoke("export", "--from", checkpoint[0], "--out", out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert f"exported {checkpoint[0]} (huggingface llama) (llama, serving) to {out}" in result.stdout
+    return out
+
+
+def hf_greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
+    """Greedy decoding with full transformers forwards (no cache); stops after eos."""
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) > 1e-4, "near-tie: greedy would be precision-dependent"
+            out.append(int(logits.argmax()))
+            if out[-1] == eos:
+                break
+    return out
+
+
+def generated(result):
+    """(streamed text, summary line) of a `toolkit generate` run."""
+    assert result.exit_code == 0, (result.output, result.exception)
+    summary = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(summary) == 1, result.stderr
+    return result.stdout.removesuffix("\n"), summary[0]
+
+
+def test_export_writes_tokenizer_and_source(artifact_dir, checkpoint):
+    manifest = json.loads((artifact_dir / "manifest.json").read_text())
+    assert manifest["variant"] == "serving" and manifest["family"] == "llama"
+    assert manifest["source"] == {"format": "huggingface", "path": str(checkpoint[0]), "architecture": "llama"}
+    assert set(manifest["extra_files"]) == {"tokenizer.json", "tokenizer_config.json"}
+    for name, digest in manifest["extra_files"].items():
+        assert hashlib.sha256((artifact_dir / name).read_bytes()).hexdigest() == digest
+    config = json.loads((artifact_dir / "tokenizer_config.json").read_text())
+    tok = checkpoint[2]
+    assert (config["bos_id"], config["eos_id"], config["add_bos"]) == \
+        (tok.token_to_id("<s>"), tok.token_to_id("</s>"), True)
+
+
+@pytest.mark.parametrize("backend", ["ort-cpu", "eager", "onnx-reference"])
+def test_generate_prints_the_transformers_greedy_continuation(artifact_dir, checkpoint, backend):
+    _, model, tok = checkpoint
+    ids = [tok.token_to_id("<s>")] + tok.encode(PROMPT).ids
+    tokens = hf_greedy(model, ids, 5, tok.token_to_id("</s>"))
+    text, summary = generated(invoke("generate", artifact_dir, "--prompt", PROMPT, "--max-new-tokens", 5,
+                                     "--backend", backend))
+    assert text == tok.decode(tokens, skip_special_tokens=True)
+    finish = "stop" if tokens[-1] == tok.token_to_id("</s>") else "length"
+    assert summary.startswith(f"[{len(tokens)} tokens, finish: {finish}, prompt {len(ids)} tokens")
+    assert summary.endswith(f"on {backend}]")
+
+
+def test_generate_with_the_chat_template(artifact_dir, checkpoint):
+    _, model, tok = checkpoint
+    ids = [tok.token_to_id("<s>")] + tok.encode(f"<|user|>{PROMPT}</s><|assistant|>").ids
+    assert tok.token_to_id("<|assistant|>") in ids  # the markers are single special tokens
+    tokens = hf_greedy(model, ids, 6, tok.token_to_id("</s>"))
+    text, summary = generated(invoke("generate", artifact_dir, "--chat", "--prompt", PROMPT,
+                                     "--max-new-tokens", 6))
+    assert text == tok.decode(tokens, skip_special_tokens=True)
+    assert f"prompt {len(ids)} tokens" in summary
+
+
+def test_generate_sampling_is_seeded(artifact_dir):
+    args = ("generate", artifact_dir, "--prompt", PROMPT, "--max-new-tokens", 12, "--temperature", 1.5)
+    a, _ = generated(invoke(*args, "--seed", 1))
+    b, _ = generated(invoke(*args, "--seed", 1))
+    c, _ = generated(invoke(*args, "--seed", 2))
+    assert a == b and a != c
+
+
+def test_run_with_only_input_ids_fills_an_empty_cache(artifact_dir, checkpoint, tmp_path):
+    _, model, tok = checkpoint
+    ids = np.random.default_rng(0).integers(0, tok.get_vocab_size(), (2, 7)).astype(np.int64)
+    np.savez(tmp_path / "ids.npz", input_ids=ids)
+    result = invoke("run", artifact_dir, "--backend", "ort-cpu", "--inputs", tmp_path / "ids.npz",
+                    "--save", tmp_path / "out.npz")
+    assert result.exit_code == 0, (result.output, result.exception)
+    with np.load(tmp_path / "out.npz") as data:
+        out = dict(data)
+    assert set(out) == {"logits", "present.0.key", "present.0.value"}
+    assert out["present.0.value"].shape == (2, 2, 7, 8)  # (batch, kv_heads, prompt, head_width)
+    with torch.no_grad():
+        want = model(torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(out["logits"], want, rtol=0, atol=5e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_check_decode_steps(artifact_dir, tmp_path):
+    result = invoke("check", artifact_dir, "--decode-steps", 3, "--json", tmp_path / "report.json")
+    assert result.exit_code == 0, (result.output, result.exception)
+    lines = result.stdout.splitlines()
+    for k in range(3):
+        (row,) = [line for line in lines if line.startswith(f"decode.{k}.logits ")]
+        assert row.count(" ok") == 3 and "FAIL" not in row, row
+    assert not any(line.startswith("decode.3.") for line in lines)
+    assert "RESULT: PASS" in result.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    names = [r["stage"] for r in report["results"] if r["backend"] == "ort-cpu"]
+    assert names[0] == "logits" and names[-3:] == ["decode.0.logits", "decode.1.logits", "decode.2.logits"]
+
+
+def test_decode_steps_on_a_stages_artifact_is_a_user_error(exported):
+    result = invoke("check", exported("block-small").directory, "--decode-steps", 2)
+    assert_user_error(result, "--decode-steps needs a KV-cache artifact", "--variant serving")
+
+
+def test_generate_without_a_tokenizer_is_a_user_error(exported):
+    directory = exported("decoder-small", "serving").directory
+    assert_user_error(invoke("generate", directory, "--prompt", "hi"), "no tokenizer in the artifact",
+                      "export a checkpoint with --from")
+
+
+def test_export_from_a_bad_path_is_a_user_error(tmp_path, checkpoint):
+    assert_user_error(invoke("export", "--from", tmp_path / "nope", "--out", tmp_path / "a"), "no such checkpoint")
+    (tmp_path / "empty").mkdir()
+    assert_user_error(invoke("export", "--from", tmp_path / "empty", "--out", tmp_path / "b"), "missing config.json")
+    assert_user_error(invoke("export", "--from", checkpoint[0], "--preset", "decoder-small", "--out", tmp_path / "c"),
+                      "give --from on its own")
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+@pytest.mark.parametrize("option,value,fragment", [
+    ("--temperature", -1, "Invalid value for '--temperature'"),
+    ("--top-p", 0, "Invalid value for '--top-p'"),
+    ("--max-new-tokens", 0, "Invalid value for '--max-new-tokens'"),
+])
+def test_generate_option_ranges_are_usage_errors(artifact_dir, option, value, fragment):
+    result = invoke("generate", artifact_dir, "--prompt", "hi", option, value)
+    assert result.exit_code == 2, result.output
+    assert fragment in result.stderr and "Traceback" not in result.output
