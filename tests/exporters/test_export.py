@@ -144,11 +144,14 @@ def test_serving_variant_of_a_language_model_is_the_kv_cache_graph(exported):
     proto = load_proto(exported("decoder-small", "serving"))
     cache = [f"{io}.{i}.{kind}" for i in range(config.layers) for kind in ("key", "value") for io in ("x",)]
     assert [o.name for o in proto.graph.output] == ["logits"] + [c.replace("x.", "present.") for c in cache]
-    assert [i.name for i in proto.graph.input] == ["input_ids"] + [c.replace("x.", "past.") for c in cache]
+    assert [i.name for i in proto.graph.input] == (["input_ids", "position_ids", "past_mask"]
+                                                   + [c.replace("x.", "past.") for c in cache])
     logits = proto.graph.output[0].type.tensor_type
     assert logits.elem_type == onnx.TensorProto.FLOAT
     assert logits.shape.dim[-1].dim_value == config.vocab_size
-    past = proto.graph.input[1].type.tensor_type.shape.dim
+    mask = proto.graph.input[2].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in mask] == ["batch", "past_sequence"]
+    past = proto.graph.input[3].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in past] == ["batch", config.kv_heads, "past_sequence", config.head_width]
 
 
