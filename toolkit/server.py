@@ -32,15 +32,20 @@ from toolkit.errors import InputError, ModelFileError
 RETRY_AFTER_SECONDS = 1
 
 
-class CompletionBody(BaseModel):
+class GenerationFields(BaseModel):
+    """The OpenAI request fields both endpoints share."""
+
     model: str | None = None
-    prompt: str
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+
+
+class CompletionBody(GenerationFields):
+    prompt: str
 
 
 class Message(BaseModel):
@@ -48,15 +53,8 @@ class Message(BaseModel):
     content: str
 
 
-class ChatBody(BaseModel):
-    model: str | None = None
+class ChatBody(GenerationFields):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
 
 
 class Metrics:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.llama import BlockConfig, Decoder, DecoderBlock, DecoderConfig, ProbedBlock, ProbedBlockConfig
+from models.llama import BlockConfig, DecoderBlock, DecoderConfig, ProbedBlockConfig
 from models.registry import build_model
 from models.worked_example import build_worked_example, worked_example_config, worked_example_inputs
 from toolkit.errors import ConfigError, InputError

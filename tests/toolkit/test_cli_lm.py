@@ -14,31 +14,15 @@ import math
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from toolkit.cli import main
+from tests.toolkit.test_cli import assert_user_error, invoke
 
 transformers = pytest.importorskip("transformers", reason="transformers (the oracle) is a test extra")
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPT = "the quick brown fox"
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_user_error(result, *fragments):
-    """Exit 2, one 'Error: ...' line on stderr naming `fragments`, no traceback."""
-    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    assert isinstance(result.exception, SystemExit), repr(result.exception)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    assert "Traceback" not in result.output
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 @torch.no_grad()
