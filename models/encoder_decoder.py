@@ -11,7 +11,6 @@ relu|gelu|swiglu, positions sinusoidal|rope, norm_placement post|pre, biases.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,7 @@ SWITCHES = ("norm", "ffn", "positions", "norm_placement", "biases")
 
 
 @dataclass
-class EncoderDecoderConfig:
+class EncoderDecoderConfig(v.ConfigFields):
     vocab_size: int = 64
     width: int = 16
     heads: int = 4
@@ -68,13 +67,6 @@ class EncoderDecoderConfig:
     @property
     def switches(self) -> dict:
         return {name: getattr(self, name) for name in SWITCHES}
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-
-    @classmethod
-    def from_dict(cls, data):
-        return v.from_dict(cls, data, cls.__name__)
 
 
 class EncoderDecoderBlock(Block):

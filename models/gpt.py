@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +18,7 @@ from models.llama import check_token_ids
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(v.ConfigFields):
     vocab_size: int = 290
     width: int = 24
     heads: int = 4
@@ -52,13 +51,6 @@ class GPTConfig:
     @property
     def stage_names(self) -> tuple[str, ...]:
         return stage_names("pre", cross=False)
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-
-    @classmethod
-    def from_dict(cls, data):
-        return v.from_dict(cls, data, cls.__name__)
 
 
 class GPTBlock(Block):

@@ -7,7 +7,6 @@ Post-norm (2017):    h = norm_a(x + attn(x));  y = norm_f(h + ffn(h))
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +22,7 @@ POST_NORM_STAGES = stage_names("post", cross=False)
 
 
 @dataclass
-class BlockConfig:
+class BlockConfig(v.ConfigFields):
     width: int = 16
     heads: int = 4
     ff_width: int = 32
@@ -57,13 +56,6 @@ class BlockConfig:
     @property
     def stage_names(self) -> tuple[str, ...]:
         return BLOCK_STAGES if self.norm_placement == "pre" else POST_NORM_STAGES
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-
-    @classmethod
-    def from_dict(cls, data):
-        return v.from_dict(cls, data, cls.__name__)
 
 
 @dataclass

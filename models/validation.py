@@ -46,3 +46,14 @@ def from_dict(cls, data: Any, owner: str):
                 f"{owner}: unknown field {key!r}; valid fields are " + ", ".join(sorted(settable))
             )
     return cls(**data)
+
+
+class ConfigFields:
+    """to_dict/from_dict for the config dataclasses: settable fields only (derived ones are recomputed)."""
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+    @classmethod
+    def from_dict(cls, data):
+        return from_dict(cls, data, cls.__name__)
