@@ -4,26 +4,103 @@ Single-graph families write `model.onnx`; the encoder-decoder writes
 `encoder.onnx` and `decoder.onnx`. The manifest is also embedded in each ONNX
 file's metadata_props (without the file hashes, which cannot hash themselves),
 so a lone single-graph .onnx is self-describing.
+
+Loading treats every file as hostile: sizes are checked before anything is
+read, hashes before anything is parsed, and the parsed graph (IR version,
+opsets, external-data locations, ONNX checker) before any runtime is handed
+the file. Each refusal is its own ModelFileError subclass below.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.errors import ModelFileError
+import onnx
+
+from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
+from toolkit.errors import ConfigError, ModelFileError
 
 MODEL_FILE = "model.onnx"
 MANIFEST_FILE = "manifest.json"
 FORMAT = "onnx-toolkit-artifact"
 FORMAT_VERSION = 1
 METADATA_KEY = "onnx_toolkit.manifest"
+
+# The one allow-list of operator sets a loaded graph may import: {domain: newest version accepted}.
+# The default domain goes up to the newest opset the installed onnx knows (exports use
+# exporters.functions.OPSET; a "standard" lowering uses 23); "com.microsoft" is ONNX Runtime's
+# contrib domain (the "ort" lowering). Anything else, or anything newer, is refused.
+ALLOWED_OPSETS: dict[str, int] = {
+    "": onnx.defs.onnx_opset_version(),
+    "ai.onnx": onnx.defs.onnx_opset_version(),
+    CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION,
+    "com.microsoft": 1,
+}
+MAX_MODEL_BYTES_ENV = "TOOLKIT_MAX_MODEL_BYTES"
+DEFAULT_MAX_MODEL_BYTES = 4 << 30  # 4 GiB: twice the 2 GiB protobuf limit of a graph file, room for external data
+# A manifest is a few kilobytes (one weight-map line per tensor); this bound only stops a hostile
+# file from being read into memory and parsed into Python objects at many times its size.
+MAX_MANIFEST_BYTES = 16 << 20
+# Input/output dtypes a manifest may declare (what the exporters and runners handle).
+SPEC_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+
+
+class CorruptModelError(ModelFileError):
+    """An ONNX file that does not parse, or parses into something the ONNX checker rejects."""
+
+
+class HashMismatchError(ModelFileError):
+    """A file whose sha256 differs from the one its manifest records."""
+
+
+class ExternalDataError(ModelFileError):
+    """An external-data reference that is absolute, climbs out of the model directory or is missing."""
+
+
+class UnsupportedOpsetError(ModelFileError):
+    """An IR version, operator-set domain or domain version this toolkit does not know."""
+
+
+class ModelTooLargeError(ModelFileError):
+    """A model (graph file plus its external data) above the configured size limit."""
+
+
+def max_model_bytes(override: int | None = None) -> int:
+    """The size limit: `override` if given, else $TOOLKIT_MAX_MODEL_BYTES, else 4 GiB."""
+    if override is not None:
+        value, source = override, "max_bytes"
+    else:
+        raw = os.environ.get(MAX_MODEL_BYTES_ENV)
+        if raw is None or not raw.strip():
+            return DEFAULT_MAX_MODEL_BYTES
+        source = f"${MAX_MODEL_BYTES_ENV}"
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r}: expected a positive number of bytes, e.g. {DEFAULT_MAX_MODEL_BYTES}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}={value!r}: expected a positive number of bytes")
+    return value
+
+
+def _check_size(path: Path, size: int, limit: int, what: str = "model") -> None:
+    if size > limit:
+        raise ModelTooLargeError(
+            f"{path}: {what} is {size:,} bytes, above the limit of {limit:,}; "
+            f"raise it with ${MAX_MODEL_BYTES_ENV} or max_bytes= if you trust this file"
+        )
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -78,7 +155,12 @@ class Artifact:
     def config(self):
         from models.registry import get_family
 
-        return get_family(self.family).config_from_dict(self.manifest["config"])
+        try:
+            return get_family(self.family).config_from_dict(self.manifest["config"])
+        except ConfigError as exc:
+            raise ModelFileError(f"{self.location}: the manifest's config is invalid ({exc}); re-export") from None
+        except TypeError as exc:  # the dataclass constructor's own complaints, e.g. a missing required field
+            raise ModelFileError(f"{self.location}: the manifest's config is invalid ({exc}); re-export") from None
 
     def graph(self, name: str | None = None) -> GraphArtifact:
         """The named graph; without a name, the only graph of a single-graph artifact."""
@@ -130,33 +212,96 @@ def check_output_dir(out_dir: Path) -> None:
 def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> None:
     """Write files into out_dir all-or-nothing.
 
-    Everything goes into a sibling temporary directory first; `verify(tmp_dir)`
-    may inspect it; only then is it swapped in. A failure at any point leaves
-    an existing artifact at out_dir untouched. A non-empty directory that is
-    not an artifact is never replaced.
+    Everything goes into a sibling temporary directory first (each file fsynced);
+    `verify(tmp_dir)` may inspect it; only then is it swapped in, in one atomic
+    exchange where the OS offers it. A failure or a kill at any point leaves an
+    existing artifact at out_dir untouched and loadable; what a killed writer
+    left behind is cleared by the next write. A non-empty directory that is not
+    an artifact is never replaced.
     """
     out_dir = Path(out_dir)
     check_output_dir(out_dir)
     parent = out_dir.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+    with _write_lock(parent):
+        _clear_leftovers(parent, out_dir.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        try:
+            for name, data in files.items():
+                if Path(name).name != name or name in (".", ".."):
+                    raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
+                with open(tmp / name, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            if verify is not None:
+                verify(tmp)
+            swap_in(tmp, out_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _write_lock(parent: Path):
+    """Serialise writers in one parent directory, so leftovers found under the lock are a dead writer's.
+
+    flock is released by the kernel when its holder dies, even by SIGKILL.
+    """
+    fd = os.open(parent, os.O_RDONLY)
     try:
-        for name, data in files.items():
-            with open(tmp / name, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        if verify is not None:
-            verify(tmp)
-        swap_in(tmp, out_dir)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)  # closing drops the lock
+
+
+def _clear_leftovers(parent: Path, name: str) -> None:
+    """Remove what a killed writer left; if it died between the two renames of a fallback swap, restore."""
+    olds = sorted(parent.glob(f".{glob_escape(name)}.old-*"), key=lambda p: p.stat().st_mtime)
+    target = parent / name
+    if not target.exists() and olds:
+        os.rename(olds.pop(), target)  # the previous artifact, moved aside moments before the kill
+    for leftover in olds + list(parent.glob(f".{glob_escape(name)}.tmp-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the OS or filesystem can't."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def swap_in(tmp: Path, target: Path) -> None:
-    """Replace `target` with the finished directory `tmp` (same parent); on failure `target` is restored."""
+    """Replace `target` with the finished directory `tmp` (same parent); on failure `target` is restored.
+
+    With an atomic exchange `target` always names a complete directory; afterwards `tmp` holds the
+    old one and is removed. Without it, `target` is moved aside first; a kill between the two
+    renames is repaired by the next write_artifact (_clear_leftovers).
+    """
+    tmp, target = Path(tmp), Path(target)
     if target.exists():
+        if _exchange(tmp, target):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.resolve().parent))
         os.rmdir(old)
         os.rename(target, old)
@@ -170,46 +315,63 @@ def swap_in(tmp: Path, target: Path) -> None:
         os.rename(tmp, target)
 
 
-def load_artifact(path: str | os.PathLike) -> Artifact:
-    """Load an artifact directory (manifest + graphs, hashes checked) or a lone single-graph .onnx file."""
+def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> Artifact:
+    """Load an artifact directory (manifest + graphs, hashes checked) or a lone single-graph .onnx file.
+
+    Every graph file is size-checked, hash-checked and validated (validate_onnx) here, so a runtime
+    that later opens `model_path` only ever sees a file that passed. max_bytes overrides
+    $TOOLKIT_MAX_MODEL_BYTES.
+    """
+    limit = max_model_bytes(max_bytes)
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or directory; pass an artifact directory from `toolkit export`")
-    if path.is_dir():
-        manifest_path = path / MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise ModelFileError(f"{path}: missing {MANIFEST_FILE}; is this a `toolkit export` directory?")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelFileError(f"{manifest_path}: not valid JSON ({exc}); re-run `toolkit export`") from None
-        _check_manifest(manifest, manifest_path)
-        graphs = []
-        for entry in manifest["graphs"]:
-            model_path = path / entry["file"]
-            if Path(entry["file"]).name != entry["file"]:
-                raise ModelFileError(f"{manifest_path}: graph file {entry['file']!r} must be a plain file name")
-            if not model_path.is_file():
-                raise ModelFileError(f"{path}: missing {entry['file']}; re-run `toolkit export`")
-            actual = sha256_file(model_path)
-            if actual != entry["sha256"]:
-                raise ModelFileError(
-                    f"{model_path}: sha256 {actual[:12]}… does not match the manifest's {entry['sha256'][:12]}…; "
-                    "the model was modified or corrupted, re-run `toolkit export`"
-                )
-            graphs.append(GraphArtifact(entry["name"], model_path, entry))
-        for name, digest in (manifest.get("extra_files") or {}).items():
-            extra = path / Path(name).name
-            if not extra.is_file() or sha256_file(extra) != digest:
-                raise ModelFileError(f"{extra}: missing or modified (sha256 differs from the manifest); re-export")
-        return Artifact(directory=path, manifest=manifest, graphs=graphs)
-    model = load_onnx(path)
+    if not path.is_dir():
+        return _load_lone_onnx(path, limit)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ModelFileError(f"{path}: missing {MANIFEST_FILE}; is this a `toolkit export` directory?")
+    _check_inside(manifest_path, path)
+    manifest_size = manifest_path.stat().st_size
+    if manifest_size > MAX_MANIFEST_BYTES:
+        raise ModelFileError(f"{manifest_path}: {manifest_size:,} bytes, above the {MAX_MANIFEST_BYTES:,} a manifest "
+                             "may have; this is not a manifest `toolkit export` wrote")
+    try:
+        manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ModelFileError(f"{manifest_path}: not valid JSON ({reason}); re-run `toolkit export`") from None
+    _check_manifest(manifest, manifest_path)
+    graphs = []
+    for entry in manifest["graphs"]:
+        model_path = path / entry["file"]
+        if not model_path.is_file():
+            raise ModelFileError(f"{path}: missing {entry['file']}; re-run `toolkit export`")
+        _check_inside(model_path, path)
+        _check_size(model_path, model_path.stat().st_size, limit)
+        _check_hash(model_path, entry["sha256"], "the model was modified or corrupted, re-run `toolkit export`")
+        validate_onnx(model_path, max_bytes=limit)
+        graphs.append(GraphArtifact(entry["name"], model_path, entry))
+    for name, digest in manifest["extra_files"].items():
+        extra = path / name
+        if not extra.is_file():
+            raise ModelFileError(f"{extra}: missing (the manifest lists it); re-export")
+        _check_inside(extra, path)
+        _check_size(extra, extra.stat().st_size, limit, "file")
+        _check_hash(extra, digest, "re-export")
+    artifact = Artifact(directory=path, manifest=manifest, graphs=graphs)
+    artifact.config()  # a manifest config the family refuses is refused here, not in a runner
+    return artifact
+
+
+def _load_lone_onnx(path: Path, limit: int) -> Artifact:
+    model = validate_onnx(path, max_bytes=limit)
     props = {p.key: p.value for p in model.metadata_props}
     if METADATA_KEY not in props:
         raise ModelFileError(f"{path}: ONNX file has no {METADATA_KEY} metadata; it was not written by `toolkit export`")
     try:
         manifest = json.loads(props[METADATA_KEY])
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ModelFileError(f"{path}: embedded manifest is not valid JSON ({exc})") from None
     _check_manifest(manifest, path, needs_hash=False)
     if len(manifest["graphs"]) != 1:
@@ -218,23 +380,177 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
             "pass the artifact directory instead"
         )
     entry = manifest["graphs"][0]
-    return Artifact(directory=None, manifest=manifest, graphs=[GraphArtifact(entry["name"], path, entry)])
+    artifact = Artifact(directory=None, manifest=manifest, graphs=[GraphArtifact(entry["name"], path, entry)])
+    artifact.config()
+    return artifact
 
 
-def load_onnx(path: Path):
-    import onnx
+def _check_hash(path: Path, expected: str, advice: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected:
+        raise HashMismatchError(
+            f"{path}: sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…; {advice}"
+        )
+
+
+def _check_inside(path: Path, directory: Path) -> None:
+    """Refuse a file that is (or, through symlinks, resolves to) something outside `directory`."""
+    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    if real != root and root not in real.parents:
+        raise ExternalDataError(f"{path}: resolves to {real}, outside {root}; refusing to read it")
+
+
+def load_onnx(path: Path, *, max_bytes: int | None = None):
+    """Read and validate an ONNX file (validate_onnx), then attach its external data, if any."""
+    model = validate_onnx(path, max_bytes=max_bytes)
+    if any(_is_external(t) for t in _all_tensors(model)):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        try:
+            load_external_data_for_model(model, str(Path(path).parent))
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+            raise ExternalDataError(f"{path}: cannot read its external data ({exc})") from None
+    return model
+
+
+def validate_onnx(path: Path, *, max_bytes: int | None = None):
+    """The checks every ONNX file passes before a runtime sees it; returns the parsed model without its
+    external data. Order: size (from stat), parse, IR version and opsets, external-data locations
+    (and their sizes), the ONNX checker.
+    """
     from google.protobuf.message import DecodeError
 
+    limit = max_model_bytes(max_bytes)
+    path = Path(path)
     try:
-        return onnx.load(str(path))
-    except (DecodeError, ValueError, OSError, RuntimeError) as exc:
-        raise ModelFileError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it") from None
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            _check_size(path, size, limit)
+            data = handle.read(size + 1)
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+    try:
+        model = onnx.ModelProto.FromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise CorruptModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it") from None
+    del data
+    if not model.HasField("graph") or model.ir_version < 1:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (no graph or no IR version: truncated or not "
+                                "an ONNX file); re-export it")
+    _check_opsets(model, path)
+    external = _check_external_data(model, path)
+    _check_size(path, size + external, limit, "model with its external data")
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
+                                "re-export it") from None
+    return model
+
+
+def _check_opsets(model, path: Path) -> None:
+    if model.ir_version > onnx.IR_VERSION:
+        raise UnsupportedOpsetError(f"{path}: ONNX IR version {model.ir_version} is newer than this toolkit's "
+                                    f"onnx reads ({onnx.IR_VERSION}); upgrade onnx or re-export")
+    imports = [("model", o) for o in model.opset_import]
+    imports += [(f"function {f.domain}::{f.name}", o) for f in model.functions for o in f.opset_import]
+    for owner, opset in imports:
+        known = ALLOWED_OPSETS.get(opset.domain)
+        if known is None:
+            raise UnsupportedOpsetError(
+                f"{path}: {owner} imports operator domain {opset.domain!r} (version {opset.version}), which this "
+                f"toolkit does not know; known domains: {_known_opsets()}"
+            )
+        if not 1 <= opset.version <= known:
+            raise UnsupportedOpsetError(
+                f"{path}: {owner} imports {opset.domain or 'the default domain'!s} version {opset.version}; "
+                f"this toolkit reads versions 1..{known}; known: {_known_opsets()}"
+            )
+
+
+def _known_opsets() -> str:
+    return ", ".join(f"{domain or 'default'}<={version}" for domain, version in ALLOWED_OPSETS.items())
+
+
+def _all_tensors(model):
+    """Every TensorProto of the model: initializers, sparse initializers and attributes, in the main
+    graph, its subgraphs and the model-local functions."""
+
+    def from_graph(graph):
+        yield from graph.initializer
+        for sparse in graph.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        yield from from_nodes(graph.node)
+
+    def from_nodes(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("sparse_tensor"):
+                    yield attr.sparse_tensor.values
+                    yield attr.sparse_tensor.indices
+                for sparse in attr.sparse_tensors:
+                    yield sparse.values
+                    yield sparse.indices
+                if attr.HasField("g"):
+                    yield from from_graph(attr.g)
+                for sub in attr.graphs:
+                    yield from from_graph(sub)
+
+    yield from from_graph(model.graph)
+    for function in model.functions:
+        yield from from_nodes(function.node)
+
+
+def _is_external(tensor) -> bool:
+    return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+def _check_external_data(model, path: Path) -> int:
+    """Refuse external-data references that could read outside the model's directory; return their total size."""
+    root = Path(os.path.realpath(path.parent))
+    sizes: dict[Path, int] = {}
+    for tensor in _all_tensors(model):
+        if not _is_external(tensor):
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        where = f"{path}: tensor {tensor.name!r} external data location {location!r}"
+        if not location or "\0" in location:
+            raise ExternalDataError(f"{where}: empty or invalid; re-export the model")
+        pure = Path(location)
+        if pure.is_absolute() or location.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", location):
+            raise ExternalDataError(f"{where} is an absolute path; external data must sit in the model's directory")
+        if ".." in re.split(r"[\\/]", location):
+            raise ExternalDataError(f"{where} climbs out with '..'; external data must sit in the model's directory")
+        real = Path(os.path.realpath(root / location))
+        if root not in real.parents:
+            raise ExternalDataError(f"{where} resolves to {real}, outside {root} (a symlink?); refusing to read it")
+        if not real.is_file():
+            raise ExternalDataError(f"{where}: no such file next to the model")
+        size = sizes.setdefault(real, real.stat().st_size)
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", size))
+        except ValueError:
+            raise ExternalDataError(f"{where}: offset/length are not integers") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ExternalDataError(f"{where}: bytes [{offset}, {offset + length}) lie outside the {size}-byte file")
+    return sum(sizes.values())
+
+
+def _is_hex_digest(value) -> bool:
+    return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
 
 
 def _check_manifest(manifest, where, needs_hash: bool = True) -> None:
+    """The manifest's schema, every field the loaders and runners read, with its type."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ModelFileError(f"{where}: not a toolkit manifest (expected format {FORMAT!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") != FORMAT_VERSION or isinstance(manifest.get("format_version"), bool):
         raise ModelFileError(
             f"{where}: manifest format_version {manifest.get('format_version')!r} is not supported "
             f"(this toolkit reads {FORMAT_VERSION}); re-export with this version"
@@ -242,6 +558,15 @@ def _check_manifest(manifest, where, needs_hash: bool = True) -> None:
     for key in ("family", "variant", "config", "graphs"):
         if key not in manifest:
             raise ModelFileError(f"{where}: manifest lacks the {key!r} field; re-run `toolkit export`")
+    for key, kind in (("family", str), ("variant", str), ("config", dict)):
+        if not isinstance(manifest[key], kind):
+            raise ModelFileError(f"{where}: manifest {key!r} must be a {kind.__name__}, got {manifest[key]!r:.60}")
+    extra = manifest.setdefault("extra_files", {}) if manifest.get("extra_files") is None else manifest["extra_files"]
+    if not isinstance(extra, dict) or not all(
+        isinstance(n, str) and n and Path(n).name == n and n not in (".", "..") and _is_hex_digest(d)
+        for n, d in extra.items()
+    ):
+        raise ModelFileError(f"{where}: manifest 'extra_files' must map plain file names to sha256 hex digests")
     graph_keys = ["name", "file", "inputs", "outputs", "weights"] + (["sha256"] if needs_hash else [])
     if not isinstance(manifest["graphs"], list) or not manifest["graphs"]:
         raise ModelFileError(f"{where}: manifest 'graphs' must be a non-empty list; re-run `toolkit export`")
@@ -249,7 +574,38 @@ def _check_manifest(manifest, where, needs_hash: bool = True) -> None:
         missing = [k for k in graph_keys if not isinstance(entry, dict) or k not in entry]
         if missing:
             raise ModelFileError(f"{where}: a graph entry lacks {missing}; re-run `toolkit export`")
-        if needs_hash and not (isinstance(entry["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+        name = entry["name"]
+        if not isinstance(name, str) or not name:
+            raise ModelFileError(f"{where}: a graph 'name' must be a non-empty string, got {name!r:.60}")
+        file = entry["file"]
+        if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
+            raise ModelFileError(f"{where}: graph file {file!r:.80} must be a plain file name")
+        if needs_hash and not _is_hex_digest(entry["sha256"]):
             raise ModelFileError(
-                f"{where}: graph {entry.get('name')!r} sha256 must be 64 hex digits, got {entry['sha256']!r}"
+                f"{where}: graph {name!r} sha256 must be 64 hex digits, got {entry['sha256']!r:.80}"
             )
+        if not isinstance(entry["weights"], dict):
+            raise ModelFileError(f"{where}: graph {name!r} 'weights' must be an object")
+        outputs = entry["outputs"]
+        if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
+                                                    for o in outputs):
+            raise ModelFileError(f"{where}: graph {name!r} 'outputs' must be a list of {{\"name\": ...}} objects")
+        inputs = entry["inputs"]
+        if not isinstance(inputs, list):
+            raise ModelFileError(f"{where}: graph {name!r} 'inputs' must be a list of input specs")
+        for spec in inputs:
+            _check_input_spec(spec, f"{where}: graph {name!r}")
+
+
+def _check_input_spec(spec, where: str) -> None:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ModelFileError(f"{where}: an input spec must be an object with a 'name', got {spec!r:.80}")
+    if spec.get("dtype") not in SPEC_DTYPES:
+        raise ModelFileError(f"{where}: input {spec['name']!r} dtype {spec.get('dtype')!r:.40} is not one of "
+                             f"{', '.join(SPEC_DTYPES)}")
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(
+        (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d) for d in shape
+    ):
+        raise ModelFileError(f"{where}: input {spec['name']!r} shape must be a list of sizes and axis names, "
+                             f"got {shape!r:.80}")
