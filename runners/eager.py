@@ -68,6 +68,10 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                     f"{graph.model_path}: weight {name!r} points at missing initializer {entry.get('initializer')!r}"
                 )
             array = numpy_helper.to_array(initializers[entry["initializer"]])
+            if entry.get("quantized"):  # a `toolkit quantize` artifact: the reference uses the dequantized weight
+                from toolkit.quantize import dequantize_weight
+
+                array = dequantize_weight(initializers, entry["quantized"])
             if entry.get("transpose"):
                 array = array.T
             if tuple(array.shape) != tuple(state[name].shape):
