@@ -441,7 +441,8 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
     external = _check_external_data(model, path)
     _check_size(path, size + external, limit, "model with its external data")
     try:
-        onnx.checker.check_model(model)
+        # With external data the checker must know the model's directory to find (and confine) the files.
+        onnx.checker.check_model(str(path) if external else model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
