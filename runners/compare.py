@@ -13,7 +13,11 @@ magnitude (the floor matters where float32 eager happens to be exact).
 from __future__ import annotations
 
 import fnmatch
+import json
+import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -44,18 +48,139 @@ DEFAULT_TOLERANCES = {
 
 @dataclass
 class ToleranceConfig:
-    """Defaults per dtype, overridden per output by glob patterns (first match wins)."""
+    """Defaults per dtype, overridden per output by glob patterns (first match wins).
+
+    per_dtype_output ({dtype: {glob: Tolerance}}) is searched first, then the dtype-independent
+    per_output, then the dtype's default.
+    """
 
     per_dtype: dict[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
     per_output: dict[str, Tolerance] = field(default_factory=dict)
+    per_dtype_output: dict[str, dict[str, Tolerance]] = field(default_factory=dict)
+    source: str | None = None  # the file it was loaded from, for messages
 
     def for_output(self, name: str, dtype: str) -> Tolerance:
+        for pattern, tolerance in self.per_dtype_output.get(dtype, {}).items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return tolerance
         for pattern, tolerance in self.per_output.items():
             if fnmatch.fnmatchcase(name, pattern):
                 return tolerance
         if dtype not in self.per_dtype:
             raise ConfigError(f"no tolerance for dtype {dtype!r}; known dtypes: {', '.join(self.per_dtype)}")
         return self.per_dtype[dtype]
+
+
+    def check_patterns(self, stages: list[str]) -> None:
+        """Refuse a stage glob that matches none of `stages` (a typo would otherwise silently do nothing)."""
+        where = f"{self.source}: " if self.source else ""
+        patterns = [(f"{d}.stages.{p!r}", p) for d, table in self.per_dtype_output.items() for p in table]
+        patterns += [(f"stages.{p!r}", p) for p in self.per_output]
+        for key, pattern in patterns:
+            if not any(fnmatch.fnmatchcase(stage, pattern) for stage in stages):
+                shown = ", ".join(stages[:8]) + (", ..." if len(stages) > 8 else "")
+                raise ConfigError(f"{where}{key} matches no stage of this artifact; stages are {shown}")
+
+
+# dtypes a tolerance file may configure: the export dtypes the toolkit compares (float16/bfloat16 for
+# reduced-precision exports) and the float64 oracle's own.
+TOLERANCE_DTYPES = ("float32", "float64", "float16", "bfloat16")
+TOLERANCE_KEYS = ("atol", "rtol", "multiple")
+
+
+def load_tolerances(path: str | Path) -> ToleranceConfig:
+    """Read a TOML (or .json) tolerance file into a ToleranceConfig, validating every key.
+
+    Format (TOML; JSON has the same nesting):
+
+        [float32]                    # defaults for float32 outputs; missing keys keep the built-in default
+        atol = 1e-6
+        rtol = 1e-5
+        multiple = 8.0
+        [float32.stages."block.*.attention_weights"]   # glob over stage names, first match wins
+        rtol = 2e-5                  # missing keys inherit from [float32]
+        [float16]
+        atol = 1e-3
+        rtol = 1e-2
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read tolerance file ({exc.strerror})") from None
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(raw.decode("utf-8"))
+        else:
+            tomllib = _tomllib(path)
+            data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; a tolerance file is TOML or JSON") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except ValueError as exc:  # tomllib.TOMLDecodeError is a ValueError
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a table of dtypes, got {type(data).__name__}")
+    config = ToleranceConfig(source=str(path))
+    for dtype, table in data.items():
+        if dtype not in TOLERANCE_DTYPES:
+            raise ConfigError(f"{path}: unknown key {dtype!r} at the top level; expected a dtype table, one of "
+                              f"{', '.join(TOLERANCE_DTYPES)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {dtype}: expected a table, got {type(table).__name__} {table!r}")
+        base = DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
+        default = _tolerance(path, dtype, {k: v for k, v in table.items() if k != "stages"}, base)
+        config.per_dtype[dtype] = default
+        stages = table.get("stages", {})
+        if not isinstance(stages, dict):
+            raise ConfigError(f"{path}: {dtype}.stages: expected a table of stage globs, got {type(stages).__name__}")
+        for pattern, entry in stages.items():
+            key = f"{dtype}.stages.{pattern!r}"
+            _check_glob(path, key, pattern)
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{path}: {key}: expected a table with atol/rtol/multiple, got {entry!r}")
+            config.per_dtype_output.setdefault(dtype, {})[pattern] = _tolerance(path, key, entry, default)
+    return config
+
+
+def _tomllib(path: Path):
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10 has no TOML reader in the standard library
+        raise ConfigError(f"{path}: reading TOML needs Python >= 3.11 (tomllib); write the same tables as a .json file")
+    return tomllib
+
+
+def _tolerance(path: Path, key: str, table: dict, base: Tolerance) -> Tolerance:
+    values = {}
+    for name, value in table.items():
+        if name not in TOLERANCE_KEYS:
+            raise ConfigError(f"{path}: {key}.{name}: unknown key; expected {', '.join(TOLERANCE_KEYS)}"
+                              + (" or a 'stages' table" if "." not in key else ""))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: {key}.{name}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{path}: {key}.{name}: expected a finite number >= 0, got {value!r}")
+        values[name] = float(value)
+    return Tolerance(**{name: values.get(name, getattr(base, name)) for name in TOLERANCE_KEYS})
+
+
+def _check_glob(path: Path, key: str, pattern) -> None:
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ConfigError(f"{path}: {key}: a stage glob must be a non-empty string")
+    # fnmatch reads an unclosed '[' as a literal, which is never what a stage glob means.
+    depth = 0
+    for char in pattern:
+        if char == "[":
+            if depth:
+                raise ConfigError(f"{path}: {key}: bad glob, nested '[' in {pattern!r}")
+            depth = 1
+        elif char == "]" and depth:
+            depth = 0
+    if depth:
+        raise ConfigError(f"{path}: {key}: bad glob, unclosed '[' in {pattern!r}")
+    re.compile(fnmatch.translate(pattern))
 
 
 @dataclass

@@ -47,10 +47,18 @@ class CheckReport:
     input_source: str
     calibration: dict[str, float]
     backends: list[BackendResult] = field(default_factory=list)
+    # Comparisons against stored golden outputs (toolkit.golden), one per backend plus the oracle.
+    golden: list[BackendResult] = field(default_factory=list)
+    golden_info: dict = field(default_factory=dict)
+    # Node-level divergence findings (toolkit.localize), filled by --localize.
+    localizations: list = field(default_factory=list)
+    # The arrays behind the numbers (feeds per graph, oracle outputs, each backend's outputs), kept for
+    # golden files, localisation and plots; not serialised.
+    arrays: dict = field(default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:
-        return bool(self.backends) and all(b.passed for b in self.backends)
+        return bool(self.backends) and all(b.passed for b in self.backends) and all(g.passed for g in self.golden)
 
     @property
     def first_divergence(self) -> dict | None:
@@ -88,6 +96,12 @@ class CheckReport:
             "results": results,
             "first_divergence": self.first_divergence,
             "calibration": self.calibration,
+            "golden": None if not self.golden else {
+                **self.golden_info,
+                "passed": all(g.passed for g in self.golden),
+                "results": [{"backend": g.name, **o.to_dict()} for g in self.golden for o in g.comparison.outputs],
+            },
+            "localizations": [loc.to_dict() for loc in self.localizations],
             "platform": platform.platform(),
         }
 
@@ -196,6 +210,7 @@ def cross_check(
         inputs={k: list(v.shape) for k, v in inputs.items()},
         input_source=source,
         calibration=calibration,
+        arrays={"inputs": inputs, "feeds": feeds, "reference": reference, "outputs": {}},
     )
     for name in backends:
         outputs, seconds, device = {}, 0.0, ""
@@ -210,6 +225,7 @@ def cross_check(
         comparison = compare(reference, outputs, dtype="float32", tolerances=tolerances,
                              calibration=calibration, order=stages)
         report.backends.append(BackendResult(name, device, comparison, seconds))
+        report.arrays["outputs"][name] = outputs
     return report
 
 

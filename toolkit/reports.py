@@ -50,6 +50,9 @@ def text_table(report: CheckReport) -> str:
         except KeyError:
             pass
         lines.append(f"{backend.name:<16} {verdict} on {backend.device}, {backend.seconds * 1e3:.1f} ms{extra}")
+    lines.extend(golden_lines(report))
+    for localization in report.localizations:
+        lines.append(localization.describe())
     divergence = report.first_divergence
     if divergence:
         lines.append(
@@ -60,24 +63,53 @@ def text_table(report: CheckReport) -> str:
     return "\n".join(lines)
 
 
+def golden_lines(report: CheckReport) -> list[str]:
+    """One line per comparison with the stored golden outputs, naming the first stage that drifted."""
+    if not report.golden:
+        return []
+    info = report.golden_info
+    then, now = info.get("versions_then", {}), info.get("versions_now", {})
+    changed = [f"{k} {then.get(k)} -> {now.get(k)}" for k in ("torch", "onnx", "onnxruntime", "onnxscript", "toolkit")
+               if then.get(k) != now.get(k)]
+    lines = ["", f"golden: {info.get('directory')} (saved {info.get('created')}; "
+                 + (f"versions changed: {', '.join(changed)}" if changed else "same versions") + "; graphs "
+                 + (f"CHANGED: {', '.join(info['graphs_changed'])}" if info.get("graphs_changed") else "unchanged") + ")"]
+    for result in report.golden:
+        failure = result.comparison.first_failure
+        if failure is None:
+            verdict = "matches golden"
+        else:
+            verdict = (f"DRIFTED from golden at stage {failure.name}: {failure.reason}"
+                       if failure.reason else f"DRIFTED from golden at stage {failure.name}")
+        lines.append(f"golden {result.name:<16} {verdict}")
+    if info.get("new_stages"):
+        lines.append(f"golden: stages not in the golden outputs (not compared): {', '.join(info['new_stages'])}")
+    return lines
+
+
 def to_json(report: CheckReport) -> str:
     return json.dumps(report.to_dict(), indent=2)
 
 
 def to_junit(report: CheckReport) -> str:
     """One test case per backend x stage; failures carry the numbers."""
-    cases = [(b, o) for b in report.backends for o in b.comparison.outputs]
-    failures = sum(1 for _, o in cases if not o.passed)
+    cases = [("check", b, o) for b in report.backends for o in b.comparison.outputs]
+    cases += [("golden", b, o) for b in report.golden for o in b.comparison.outputs]
+    failures = sum(1 for _, _, o in cases if not o.passed)
     suite = ET.Element("testsuite", name="toolkit check", tests=str(len(cases)), failures=str(failures), errors="0")
-    for backend, output in cases:
-        case = ET.SubElement(suite, "testcase", classname=f"check.{backend.name}", name=output.name,
+    for kind, backend, output in cases:
+        case = ET.SubElement(suite, "testcase", classname=f"{kind}.{backend.name}", name=output.name,
                              time=f"{backend.seconds:.6f}")
         if not output.passed:
-            failure = ET.SubElement(case, "failure", message=output.reason)
-            failure.text = (
-                f"backend {backend.name} ({backend.device}) stage {output.name}: max_abs={_err(output.max_abs)} "
-                f"mean_abs={_err(output.mean_abs)} max_rel={_err(output.max_rel)} allowed={_err(output.allowed)}"
-            )
+            against = "the stored golden outputs" if kind == "golden" else "the float64 oracle"
+            numbers = (f"max_abs={_err(output.max_abs)} allowed={_err(output.allowed)} "
+                       f"mean_abs={_err(output.mean_abs)} max_rel={_err(output.max_rel)}")
+            failure = ET.SubElement(case, "failure", message=f"{output.reason or 'failed'}; {numbers}")
+            failure.text = f"backend {backend.name} ({backend.device}) stage {output.name} vs {against}: {numbers}"
+            if kind == "check":
+                for localization in report.localizations:
+                    if localization.backend == backend.name and localization.stage == output.name:
+                        failure.text += "\n" + localization.describe()
     root = ET.Element("testsuites")
     root.append(suite)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)

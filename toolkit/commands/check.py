@@ -8,12 +8,16 @@ from pathlib import Path
 import click
 
 from exporters.onnx_export import export_model
+from runners.compare import load_tolerances
 from runners.registry import DEFAULT_BACKENDS, check_backend
 from toolkit.artifacts import load_artifact
 from toolkit.check import cross_check
 from toolkit.commands.common import load_npz, split_backends, write_text_atomically
 from toolkit.configs import get_preset
 from toolkit.errors import ConfigError
+from toolkit.golden import check_inputs_fit, compare_with_golden, load_golden, save_golden
+from toolkit.html_report import _pyplot, render_html
+from toolkit.localize import localize_report
 from toolkit.reports import text_table, to_json, to_junit
 
 
@@ -29,7 +33,17 @@ from toolkit.reports import text_table, to_json, to_junit
               help="KV-cache artifacts: also compare N greedy decode steps, each backend through its own cache.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Write the JSON report here.")
 @click.option("--junit", "junit_file", type=click.Path(dir_okay=False), help="Write a JUnit XML report here.")
-def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, decode_steps, json_file, junit_file):
+@click.option("--html", "html_file", type=click.Path(dir_okay=False),
+              help="Write a self-contained HTML report (table, error plots, attention heat maps; needs matplotlib).")
+@click.option("--golden", "golden_dir", type=click.Path(file_okay=False),
+              help="Compare with golden outputs saved earlier by --save-golden (their inputs are used).")
+@click.option("--save-golden", "save_golden_dir", type=click.Path(file_okay=False),
+              help="Save this (passing) check's inputs and outputs as golden outputs in this directory, atomically.")
+@click.option("--localize", is_flag=True, help="For each failing ONNX backend, name the first ONNX node that diverges.")
+@click.option("--tolerances", "tolerances_file", type=click.Path(dir_okay=False),
+              help="Tolerance file (TOML or .json): per dtype defaults and per stage globs.")
+def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, decode_steps, json_file, junit_file,
+            html_file, golden_dir, save_golden_dir, localize, tolerances_file):
     """Compare every backend with the float64 eager oracle; exit 0 only if all match.
 
     With no ARTIFACT_DIR the built-in worked example is exported to a temporary
@@ -41,18 +55,43 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
     inputs = load_npz(inputs_file) if inputs_file else None
     if artifact_dir and preset:
         raise ConfigError("give either ARTIFACT_DIR or --preset, not both")
+    tolerances = load_tolerances(tolerances_file) if tolerances_file else None
+    golden = None
+    if golden_dir:
+        if inputs_file or batch is not None or seq_len is not None:
+            raise ConfigError("--golden uses the golden directory's stored inputs; drop --inputs/--batch/--seq-len")
+        golden = load_golden(golden_dir)
+        inputs = golden.inputs
+    if html_file:
+        _pyplot()  # a missing matplotlib fails now, not after the check
     with tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:
         if artifact_dir is None:
             spec = get_preset(preset or "worked-example")
             artifact_dir = Path(tmp) / spec.name
             export_model(spec.build(), spec.family, spec.config, artifact_dir, preset=spec.name, seed=spec.seed)
             click.echo(f"exported preset {spec.name!r} to a temporary directory")
-        report = cross_check(load_artifact(artifact_dir), names, inputs=inputs, batch=batch, sequence=seq_len,
-                             seed=seed, decode_steps=decode_steps)
+        artifact = load_artifact(artifact_dir)
+        if golden is not None:
+            check_inputs_fit(golden, artifact)
+        if tolerances is not None:
+            tolerances.check_patterns(list(artifact.output_names))
+        report = cross_check(artifact, names, inputs=inputs, batch=batch, sequence=seq_len,
+                             seed=seed, decode_steps=decode_steps, tolerances=tolerances)
+        if golden is not None:
+            report.input_source = f"golden inputs from {golden_dir}"
+            compare_with_golden(report, golden, artifact, tolerances)
+        if localize:
+            report.localizations = localize_report(report, artifact)
+        if save_golden_dir:
+            save_golden(report, artifact, save_golden_dir)
     click.echo(text_table(report))
     if json_file:
         write_text_atomically(json_file, to_json(report))
     if junit_file:
         write_text_atomically(junit_file, to_junit(report))
+    if html_file:
+        write_text_atomically(html_file, render_html(report))
+    if save_golden_dir:
+        click.echo(f"saved golden outputs to {save_golden_dir}")
     if not report.passed:
         click.get_current_context().exit(1)
