@@ -29,9 +29,9 @@ def main():
 
 
 def _register() -> None:
-    from toolkit.commands import check, depth, export, generate, inspect, presets, quantize, run, serve, trace
+    from toolkit.commands import bench, check, depth, export, generate, inspect, presets, quantize, run, serve, trace
 
-    for module in (export, check, run, generate, serve, trace, inspect, presets, depth, quantize):
+    for module in (export, check, run, generate, serve, trace, inspect, presets, depth, quantize, bench):
         main.add_command(module.command)
 
 
