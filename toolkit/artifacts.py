@@ -54,7 +54,7 @@ DEFAULT_MAX_MODEL_BYTES = 4 << 30  # 4 GiB: twice the 2 GiB protobuf limit of a 
 # file from being read into memory and parsed into Python objects at many times its size.
 MAX_MANIFEST_BYTES = 16 << 20
 # Input/output dtypes a manifest may declare (what the exporters and runners handle).
-SPEC_DTYPES = ("float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+SPEC_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
 
 
 class CorruptModelError(ModelFileError):
@@ -325,6 +325,10 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
     limit = max_model_bytes(max_bytes)
     path = Path(path)
     if not path.exists():
+        aside = sorted(path.parent.glob(f".{glob_escape(path.name)}.old-*")) if path.name else []
+        if aside:
+            raise ModelFileError(f"{path}: missing; an interrupted write left the previous artifact at {aside[-1]}; "
+                                 "the next export to this path restores it (or rename it back)")
         raise ModelFileError(f"{path}: no such file or directory; pass an artifact directory from `toolkit export`")
     if not path.is_dir():
         return _load_lone_onnx(path, limit)
