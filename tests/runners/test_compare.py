@@ -78,8 +78,9 @@ def test_default_tolerances_depend_on_dtype():
 
 
 def test_unknown_dtype_is_a_config_error():
-    with pytest.raises(ConfigError, match="float16"):
-        compare({"a": np.zeros(2)}, {"a": np.zeros(2)}, dtype="float16")
+    # int8 has no default tolerance (float16/bfloat16 gained theirs with reduced-precision exports).
+    with pytest.raises(ConfigError, match=r"no tolerance for dtype 'int8'; known dtypes: float32, float64"):
+        compare({"a": np.zeros(2)}, {"a": np.zeros(2)}, dtype="int8")
 
 
 def test_per_output_override_by_glob_first_match_wins():
@@ -188,3 +189,67 @@ def test_tolerance_rejects_invalid_values(field, value):
     kwargs = {"atol": 0.0, "rtol": 0.0, "multiple": 0.0, field: value}
     with pytest.raises(ConfigError, match=field):
         Tolerance(**kwargs)
+
+
+# --- tolerance files -------------------------------------------------------------------------------
+
+from runners.compare import DEFAULT_TOLERANCES, load_tolerances  # noqa: E402
+
+
+def write(tmp_path, text, name="tol.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_tolerance_file_per_dtype_and_stage_glob(tmp_path):
+    path = write(tmp_path, """
+[float32]
+atol = 0.5
+[float32.stages."block.*.attention_weights"]
+rtol = 0.25
+[float16]
+atol = 1e-3
+rtol = 1e-2
+""")
+    config = load_tolerances(path)
+    # The stage entry inherits atol and multiple from [float32], overrides rtol.
+    assert config.for_output("block.0.attention_weights", "float32") == Tolerance(0.5, 0.25, 8.0)
+    assert config.for_output("logits", "float32") == Tolerance(0.5, DEFAULT_TOLERANCES["float32"].rtol, 8.0)
+    assert config.for_output("logits", "float16") == Tolerance(1e-3, 1e-2, 8.0)
+    # Used by compare: allowed = 8 * 0 + 0.5 + 0.25 * 2 = 1.0 for the attention weights.
+    result = compare({"block.0.attention_weights": np.array([2.0])}, {"block.0.attention_weights": np.array([3.0])},
+                     tolerances=config)
+    assert result["block.0.attention_weights"].allowed == pytest.approx(1.0) and result
+
+
+def test_tolerance_file_in_json(tmp_path):
+    path = write(tmp_path, json.dumps({"float32": {"atol": 0.1, "stages": {"logits": {"atol": 0.2}}}}), "tol.json")
+    assert load_tolerances(path).for_output("logits", "float32").atol == 0.2
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("[float33]\natol = 1", r"unknown key 'float33' at the top level; expected a dtype table"),
+    ("[float32]\natool = 1", r"float32.atool: unknown key; expected atol, rtol, multiple"),
+    ("[float32]\natol = -1", r"float32.atol: expected a finite number >= 0, got -1"),
+    ("[float32]\nrtol = \"small\"", r"float32.rtol: expected a number, got str 'small'"),
+    ("[float32.stages.\"block.[0\"]\natol = 1", r"float32.stages.'block.\[0': bad glob, unclosed '\['"),
+    ("[float32.stages.\"logits\"]\nepsilon = 1", r"float32.stages.'logits'.epsilon: unknown key"),
+    ("[float32]\natol = 1\n[float32", r"invalid TOML"),
+    ("float32 = 3", r"float32: expected a table"),
+])
+def test_tolerance_file_errors_name_file_and_key(tmp_path, text, fragment):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=r"tol.toml: .*" + fragment):
+        load_tolerances(path)
+
+
+def test_tolerance_glob_matching_no_stage_is_refused(tmp_path):
+    config = load_tolerances(write(tmp_path, '[float32.stages."block.*.atention_weights"]\natol = 1'))
+    with pytest.raises(ConfigError, match=r"matches no stage of this artifact; stages are block.0.attention_weights"):
+        config.check_patterns(["block.0.attention_weights", "logits"])
+
+
+def test_missing_tolerance_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read tolerance file"):
+        load_tolerances(tmp_path / "none.toml")
