@@ -3,11 +3,20 @@
 Only local paths; no code from the checkpoint runs (safetensors and GGUF are
 plain data; chat templates render in a sandbox). Every import is validated
 against the config: the first missing, unexpected or mis-shaped tensor is named.
+
+Files are hostile until checked: the safetensors header and the GGUF header are
+walked here against the file size (lengths, counts, shapes x dtypes vs byte
+spans, offsets, overlaps) before the `safetensors`/`gguf` libraries parse them,
+so no allocation or loop is sized by an unchecked header field; their own
+exceptions become ModelFileError naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +34,15 @@ GGUF_ARCHITECTURES = ("llama",)
 GGUF_TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 # Buffers some checkpoints carry that are not weights (recomputed from the config here).
 IGNORED_TENSORS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# safetensors dtypes read here (bytes per element); others (F8, complex, ...) are refused by name.
+SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1}
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own header-size limit
+GGUF_VERSIONS = (2, 3)  # what gguf.GGUFReader reads
+GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
+# GGUF metadata value types -> bytes per scalar (gguf.GGUFValueType; 8 = string, 9 = array).
+GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
 @dataclass
@@ -141,22 +159,97 @@ def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ModelFileError(f"{index}: invalid shard index ({exc})") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ModelFileError(f"{index}: invalid shard index ({type(exc).__name__}: {exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise ModelFileError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = sorted({directory / Path(name).name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFileError(f"{index}: shard {missing[0]!r} is listed but not in {directory}")
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{directory}: no *.safetensors files; only safetensors checkpoints are read")
     tensors = {}
     for file in files:
+        check_safetensors_header(file)
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     tensors[name] = handle.get_tensor(name).to(torch.float32)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as exc:
             raise ModelFileError(f"{file}: unreadable safetensors file ({exc})") from None
     return tensors
+
+
+def check_safetensors_header(file: Path) -> dict:
+    """Validate a safetensors header against the file before the library reads it; returns the header.
+
+    Layout: u64 little-endian N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
+    then the data; offsets are relative to the data and must tile it without overlaps.
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise ModelFileError(f"{file}: unreadable safetensors file (truncated: {size} bytes, the header "
+                                     "length alone takes 8)")
+            length = int.from_bytes(prefix, "little")
+            if length > SAFETENSORS_MAX_HEADER:
+                raise ModelFileError(f"{file}: unreadable safetensors file (header length {length:,} is above the "
+                                     f"{SAFETENSORS_MAX_HEADER:,}-byte limit)")
+            if 8 + length > size:
+                raise ModelFileError(f"{file}: unreadable safetensors file (truncated: header length {length:,} "
+                                     f"runs past the end of the {size:,}-byte file)")
+            raw = handle.read(length)
+    except OSError as exc:
+        raise ModelFileError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ModelFileError(f"{file}: unreadable safetensors file (header is not JSON: "
+                             f"{type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{file}: unreadable safetensors file (header is not a JSON object)")
+    data_size, spans = size - 8 - length, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise ModelFileError(f"{file}: unreadable safetensors file (__metadata__ must map strings to strings)")
+            continue
+        where = f"{file}: unreadable safetensors file: tensor {name!r:.80}"
+        if not isinstance(info, dict):
+            raise ModelFileError(f"{where}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ModelFileError(f"{where}: dtype {dtype!r:.40} is not supported; supported: "
+                                 f"{', '.join(SAFETENSORS_DTYPES)}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise ModelFileError(f"{where}: shape {shape!r:.60} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise ModelFileError(f"{where}: data_offsets {offsets!r:.60} are not [begin, end] with 0 <= begin <= end")
+        begin, end = offsets
+        if end > data_size:
+            raise ModelFileError(f"{where}: data_offsets [{begin}, {end}) run past the end of the data "
+                                 f"({data_size:,} bytes); the file is truncated or the header lies")
+        needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+        if end - begin != needed:
+            raise ModelFileError(f"{where}: shape {tuple(shape)} of {dtype} needs {needed:,} bytes but data_offsets "
+                                 f"[{begin}, {end}) hold {end - begin:,}")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise ModelFileError(f"{file}: unreadable safetensors file: tensors {a!r:.80} and {b!r:.80} overlap (bytes from {begin_b} to {end_a}); "
+                                 "the header lies")
+    return header
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _take(tensors: dict, name: str, shape: tuple, where) -> torch.Tensor:
@@ -250,42 +343,48 @@ def _load(family: str, config, state: dict, where) -> torch.nn.Module:
 def import_gguf(path: Path) -> ImportedCheckpoint:
     import gguf
 
+    check_gguf_header(path)
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError, TypeError) as exc:
+    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as exc:
         raise ModelFileError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
     fields = {}
     for key, field in reader.fields.items():
         try:
             fields[key] = field.contents()
-        except (ValueError, IndexError, TypeError):
+        except (ValueError, IndexError, TypeError, UnicodeDecodeError):
             continue
     arch = fields.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelFileError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
+        raise ModelFileError(f"{path}: GGUF architecture {arch!r:.60} is not supported; supported: "
                              f"{', '.join(GGUF_ARCHITECTURES)}")
 
-    def meta(key, default=None):
+    def meta(key, default=None, kind=int):
         value = fields.get(f"{arch}.{key}", default)
         if value is None:
             raise ModelFileError(f"{path}: missing GGUF metadata {arch}.{key}")
-        return value
+        number = (int, float) if kind is float else int
+        if isinstance(value, bool) or not isinstance(value, number) or (kind is float and not math.isfinite(value)):
+            raise ModelFileError(f"{path}: GGUF metadata {arch}.{key} is {value!r:.60}; expected "
+                                 f"{'a finite number' if kind is float else 'an integer'}")
+        return kind(value)
 
     tensors_by_name = {t.name: t for t in reader.tensors}
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     factor = fields.get(f"{arch}.rope.scaling.factor", 1.0)
     if scaling not in ("none", None) or factor not in (0, 1, 1.0) or "rope_freqs.weight" in tensors_by_name:
-        raise ModelFileError(f"{path}: RoPE scaling (type {scaling!r}, factor {factor}, rope_freqs "
+        raise ModelFileError(f"{path}: RoPE scaling (type {scaling!r:.40}, factor {factor!r:.40}, rope_freqs "
                              f"{'present' if 'rope_freqs.weight' in tensors_by_name else 'absent'}) is not supported; "
                              "supported: unscaled RoPE")
-    heads = int(meta("attention.head_count"))
-    vocab = int(fields.get(f"{arch}.vocab_size") or len(fields.get("tokenizer.ggml.tokens", [])))
+    heads = meta("attention.head_count")
+    tokens = fields.get("tokenizer.ggml.tokens", [])
+    vocab = fields.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
     try:
         config = DecoderConfig(
-            vocab_size=vocab, layers=int(meta("block_count")), width=int(meta("embedding_length")), heads=heads,
-            kv_heads=int(meta("attention.head_count_kv", heads)), ff_width=int(meta("feed_forward_length")),
-            max_positions=int(meta("context_length", 2048)), rope_base=float(meta("rope.freq_base", 10000.0)),
-            eps=float(meta("attention.layer_norm_rms_epsilon")),
+            vocab_size=vocab, layers=meta("block_count"), width=meta("embedding_length"), heads=heads,
+            kv_heads=meta("attention.head_count_kv", heads), ff_width=meta("feed_forward_length"),
+            max_positions=meta("context_length", 2048), rope_base=meta("rope.freq_base", 10000.0, float),
+            eps=meta("attention.layer_norm_rms_epsilon", kind=float),
             tie_embeddings="output.weight" not in tensors_by_name,
             # llama.cpp's converter permutes Q/K rows so that interleaved pairs (2i, 2i+1) rotate together.
             rope_pairing="interleaved",
@@ -295,9 +394,144 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
     tensors = {name: (lambda t=t: _dequantize(t, path)) for name, t in tensors_by_name.items()}
     state = _gguf_names(config, tensors, path)
     model = _load("llama", config, state, path)
-    tokenizer = TextTokenizer.from_gguf(fields) if "tokenizer.ggml.tokens" in fields else None
+    tokenizer = _gguf_tokenizer(fields, config.vocab_size, path) if "tokenizer.ggml.tokens" in fields else None
     source = {"format": "gguf", "path": str(path), "architecture": arch}
     return ImportedCheckpoint("llama", config, model, tokenizer, source)
+
+
+def _gguf_tokenizer(fields: dict, vocab_size: int, path: Path) -> TextTokenizer:
+    """TextTokenizer.from_gguf on metadata whose types and ranges are checked first."""
+    tokens, merges = fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.merges", [])
+    types = fields.get("tokenizer.ggml.token_type", [])
+    problems = []
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        problems.append("tokenizer.ggml.tokens is not a list of strings")
+    elif len(tokens) != vocab_size:
+        problems.append(f"tokenizer.ggml.tokens has {len(tokens)} entries but the vocabulary has {vocab_size}")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        problems.append("tokenizer.ggml.merges is not a list of 'a b' strings")
+    if not isinstance(types, list) or not all(isinstance(t, int) for t in types) or len(types) > vocab_size:
+        problems.append("tokenizer.ggml.token_type is not a list of integers, one per token")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        value = fields.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
+            problems.append(f"{key} {value!r:.40} is not a token id in [0, {vocab_size})")
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        problems.append("tokenizer.chat_template is not a string")
+    if problems:
+        raise ModelFileError(f"{path}: malformed GGUF tokenizer metadata: {problems[0]}")
+    try:
+        return TextTokenizer.from_gguf(fields)
+    except ModelFileError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
+    except Exception as exc:  # the tokenizers library raises plain Exception
+        raise ModelFileError(f"{path}: the GGUF tokenizer metadata does not build a tokenizer ({exc})") from None
+
+
+def check_gguf_header(path: Path) -> None:
+    """Walk a GGUF header against the file size before gguf.GGUFReader parses it.
+
+    GGUFReader sizes its loops by header counts and reads past the end as empty arrays, so a lying
+    count can make it spin or grow lists without bound; here every count and length is checked
+    against the bytes that remain, every tensor's byte span (dims x type) against the data
+    section, and spans against each other. Little-endian GGUF v2/v3 only.
+    """
+    import gguf
+
+    size = path.stat().st_size
+    fixed = 4 + 4 + 8 + 8  # magic, version, tensor count, metadata count
+    if size < fixed:
+        raise ModelFileError(f"{path}: not a readable GGUF file (truncated: {size} bytes, the header alone takes {fixed})")
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        def fail(what):
+            raise ModelFileError(f"{path}: not a readable GGUF file ({what})")
+
+        def read(fmt, offset, what):
+            if offset + struct.calcsize(fmt) > size:
+                fail(f"truncated: {what} at byte {offset} runs past the end of the {size:,}-byte file")
+            return struct.unpack_from(fmt, data, offset)[0]
+
+        def string(offset, what):
+            length = read("<Q", offset, f"{what} length")
+            if offset + 8 + length > size:
+                fail(f"truncated: {what} of {length:,} bytes at byte {offset} runs past the end of the file")
+            return offset + 8 + length, bytes(data[offset + 8:offset + 8 + length])
+
+        def value(offset, kind, what, depth=0):
+            if kind in GGUF_SCALAR_SIZES:
+                if offset + GGUF_SCALAR_SIZES[kind] > size:
+                    fail(f"truncated: {what} at byte {offset}")
+                return offset + GGUF_SCALAR_SIZES[kind]
+            if kind == GGUF_STRING:
+                return string(offset, what)[0]
+            if kind == GGUF_ARRAY and depth == 0:
+                item, count = read("<I", offset, f"{what} item type"), read("<Q", offset + 4, f"{what} count")
+                offset += 12
+                if item in GGUF_SCALAR_SIZES:
+                    if offset + count * GGUF_SCALAR_SIZES[item] > size:
+                        fail(f"{what}: {count:,} items of {GGUF_SCALAR_SIZES[item]} bytes run past the end of the file")
+                    return offset + count * GGUF_SCALAR_SIZES[item]
+                if item != GGUF_STRING:
+                    fail(f"{what}: array item type {item} is not supported")
+                if offset + count * 8 > size:  # every string takes at least its 8-byte length
+                    fail(f"{what}: {count:,} strings cannot fit in the rest of the file")
+                for i in range(count):
+                    offset = string(offset, f"{what}[{i}]")[0]
+                return offset
+            fail(f"{what}: value type {kind} is not supported")
+
+        if bytes(data[:4]) != b"GGUF":
+            fail(f"magic is {bytes(data[:4])!r}, expected b'GGUF'")
+        version = read("<I", 4, "version")
+        if version not in GGUF_VERSIONS:
+            fail(f"version {version} (or a big-endian file); supported: little-endian versions "
+                 f"{', '.join(map(str, GGUF_VERSIONS))}")
+        n_tensors, n_fields = read("<Q", 8, "tensor count"), read("<Q", 16, "metadata count")
+        offset, alignment = fixed, gguf.GGUF_DEFAULT_ALIGNMENT
+        if n_fields * 13 > size or n_tensors * 24 > size:  # smallest metadata entry / tensor entry in bytes
+            fail(f"header counts ({n_tensors:,} tensors, {n_fields:,} metadata entries) cannot fit in {size:,} bytes")
+        for i in range(n_fields):
+            offset, key = string(offset, f"metadata key #{i}")
+            kind = read("<I", offset, f"metadata {key!r:.60} type")
+            if key == b"general.alignment":
+                if kind != 4:
+                    fail("general.alignment is not a uint32")
+                alignment = read("<I", offset + 4, "general.alignment")
+                if alignment == 0 or alignment & (alignment - 1):
+                    fail(f"general.alignment {alignment} is not a power of two")
+            offset = value(offset + 4, kind, f"metadata {key.decode('utf-8', 'replace')!r:.60}")
+        infos = []
+        for i in range(n_tensors):
+            offset, name = string(offset, f"tensor #{i} name")
+            label = f"tensor {name.decode('utf-8', 'replace')!r:.80}"
+            n_dims = read("<I", offset, f"{label} rank")
+            if not 1 <= n_dims <= GGUF_MAX_DIMS:
+                fail(f"{label} has rank {n_dims}; GGUF allows 1..{GGUF_MAX_DIMS}")
+            dims = [read("<Q", offset + 4 + 8 * j, f"{label} dims") for j in range(n_dims)]
+            offset += 4 + 8 * n_dims
+            kind, start = read("<I", offset, f"{label} type"), read("<Q", offset + 4, f"{label} offset")
+            offset += 12
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                fail(f"{label} has unknown tensor type {kind}")
+            elements = math.prod(dims)
+            if elements % block or (dims[0] % block):
+                fail(f"{label} shape {tuple(reversed(dims))} is not a whole number of {block}-value blocks")
+            infos.append((start, start + elements // block * type_size, label, tuple(reversed(dims))))
+        data_start = -(-offset // alignment) * alignment
+        data_size = size - data_start
+        infos.sort()
+        for start, end, label, shape in infos:
+            if start % alignment:
+                fail(f"{label} data offset {start} is not a multiple of the alignment {alignment}")
+            if end > data_size:
+                fail(f"truncated or lying header: {label} {shape} needs bytes [{start:,}, {end:,}) of a "
+                     f"{max(data_size, 0):,}-byte data section")
+        for (_, end_a, a, _), (start_b, _, b, _) in zip(infos, infos[1:]):
+            if start_b < end_a:
+                fail(f"{a} and {b} overlap (data bytes {start_b:,} to {end_a:,})")
 
 
 def _dequantize(tensor, path: Path) -> torch.Tensor:
