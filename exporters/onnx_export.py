@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
+from exporters import precision
 from exporters.functions import OPSET, function_protos
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from models.registry import get_family
@@ -73,17 +74,20 @@ def export_model(
     seed: int | None = None,
     source: dict | None = None,
     extra_files: dict[str, bytes] | None = None,
+    dtype: str = "float32",
 ) -> artifacts.Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
 
     source: where the weights came from (an imported checkpoint); extra_files: more files for the
     artifact (the tokenizer), written in the same atomic swap and hashed in the manifest.
+    dtype: "float32", "float16" or "bfloat16" for weights and activations (exporters/precision.py).
     """
     fam = get_family(family)
     if not isinstance(config, fam.config_cls):
         raise ConfigError(f"family {family!r} expects a {fam.config_cls.__name__}, got {type(config).__name__}")
     if variant not in VARIANTS:
         raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    precision.check_supported(dtype, "functions")
     artifacts.check_output_dir(Path(out_dir))  # before the slow trace
     model = model.to(torch.float32).eval()
     protos, entries, used = {}, [], set()
@@ -106,6 +110,7 @@ def export_model(
             "weights": _weight_map(model, proto),
         })
     _check_weights_covered(model, entries)
+    precision.apply(model, protos, entries, dtype)  # after the weight map, which matches float32 bytes
 
     manifest = {
         "format": artifacts.FORMAT,
@@ -114,6 +119,7 @@ def export_model(
         "preset": preset,
         "seed": seed,
         "variant": variant,
+        "dtype": dtype,
         "config": config.to_dict(),
         "opset": OPSET,
         "custom_domains": {CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION},

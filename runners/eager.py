@@ -1,7 +1,8 @@
 """PyTorch eager backends, rebuilt from the weights inside the artifact's ONNX files.
 
-`eager` runs in float32 (the export dtype); `eager-f64` runs in float64 and is
-the reference oracle every other backend is judged against.
+`eager` runs at the export dtype (float32, or float16/bfloat16 for a reduced-precision
+export); `eager-f64` runs in float64 and is the reference oracle every other backend is
+judged against; `eager-cuda` is `eager` on the GPU, with TF32 off so float32 is float32.
 """
 
 from __future__ import annotations
@@ -18,21 +19,48 @@ from toolkit.artifacts import Artifact, GraphArtifact, load_onnx
 from toolkit.errors import ModelFileError
 
 
+TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """numpy -> torch; bfloat16 (ml_dtypes, which torch.from_numpy does not know) through its bits."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
 class EagerRunner(Runner):
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, graph: GraphArtifact, run, config, name="eager"):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, graph: GraphArtifact, run, config, name="eager",
+                 device: str = "cpu"):
         super().__init__(graph.input_specs, graph.output_names, config)
         self.name = name
         self.dtype = dtype
-        self.model = model.to(dtype).eval()
+        self.torch_device = torch.device(device)
+        self.model = model.to(device=self.torch_device, dtype=dtype).eval()
         self.forward = run
-        self.device = f"torch {str(dtype).removeprefix('torch.')} cpu"
+        where = device
+        if self.torch_device.type == "cuda":
+            # TF32 matmuls/convolutions keep 10 mantissa bits: off, so float32 on the GPU means float32.
+            where = f"{device} ({torch.cuda.get_device_name(self.torch_device)}), tf32 off"
+        self.device = f"torch {str(dtype).removeprefix('torch.')} {where}"
 
     def run(self, inputs):
         if self.dtype != torch.float64:
             return super().run(inputs)
-        # The oracle keeps its own float64 cache between decode steps; validate a float32 view of the
-        # feed against the float32 declaration, then compute on the float64 values.
-        view = {k: v.astype(np.float32) if isinstance(v, np.ndarray) and v.dtype == np.float64 else v
+        # The oracle keeps its own float64 cache between decode steps; validate a view of the feed at the
+        # declared dtype, then compute on the float64 values.
+        declared = {s["name"]: s["dtype"] for s in self.input_specs}
+        view = {k: v.astype(declared.get(k, np.float32)) if isinstance(v, np.ndarray) and v.dtype == np.float64 else v
                 for k, v in inputs.items()} if isinstance(inputs, dict) else inputs
         check_feed(self.input_specs, view, self.config)
         start = time.perf_counter()
@@ -44,10 +72,20 @@ class EagerRunner(Runner):
     def _infer(self, feed):
         args = []
         for spec in self.input_specs:
-            tensor = torch.from_numpy(feed[spec["name"]])
-            args.append(tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
-        stages = self.forward(self.model, *args)
-        return {name: stages[name].numpy() for name in self.output_names}
+            tensor = to_torch(feed[spec["name"]])
+            tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
+            args.append(tensor.to(self.torch_device))
+        if self.torch_device.type != "cuda":
+            stages = self.forward(self.model, *args)
+        else:
+            matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+            try:
+                stages = self.forward(self.model, *args)
+                torch.cuda.synchronize(self.torch_device)  # the run's time includes the kernels
+            finally:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        return {name: to_numpy(stages[name]) for name in self.output_names}
 
 
 def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch.nn.Module:
@@ -68,6 +106,9 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                     f"{graph.model_path}: weight {name!r} points at missing initializer {entry.get('initializer')!r}"
                 )
             array = numpy_helper.to_array(initializers[entry["initializer"]])
+            if array.dtype.name in ("float16", "bfloat16"):
+                # A reduced-precision export: the model holds the rounded values, widened exactly.
+                array = array.astype(np.float32)
             if entry.get("quantized"):  # a `toolkit quantize` artifact: the reference uses the dequantized weight
                 from toolkit.quantize import dequantize_weight
 
@@ -88,9 +129,9 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
 
 
 def eager_runner(artifact: Artifact, dtype: torch.dtype, name: str, graph: str | None = None,
-                 protos: dict | None = None, model: torch.nn.Module | None = None) -> EagerRunner:
+                 protos: dict | None = None, model: torch.nn.Module | None = None, device: str = "cpu") -> EagerRunner:
     graph_artifact = artifact.graph(graph)
     spec = {g.name: g for g in get_family(artifact.family).graphs(artifact.config())}[graph_artifact.name]
     model = model if model is not None else model_from_artifact(artifact, protos)
     run = spec.variant(artifact.variant)[2]
-    return EagerRunner(model, dtype, graph_artifact, run, artifact.config(), name=name)
+    return EagerRunner(model, dtype, graph_artifact, run, artifact.config(), name=name, device=device)

@@ -2,8 +2,8 @@
 
 One graph does both phases: the prefill feeds the prompt with an empty cache
 (T_past = 0), each decode step feeds one token with the cache it got back.
-On ONNX Runtime the cache stays in OrtValues bound with IO binding, so no
-step copies it through numpy.
+On ONNX Runtime the cache stays in OrtValues bound with IO binding, on the
+provider's device (the GPU for ort-cuda), so no step copies it through numpy.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class CachedLM:
         return logits
 
     def _step_bound(self, ids: np.ndarray) -> np.ndarray:
-        import onnxruntime as ort
+        from runners.ort import from_ortvalue, to_ortvalue
 
         extras = self._extras(ids)
         if self.length == 0:  # validate the first feed fully; later ones only add our own cache
@@ -119,24 +119,30 @@ class CachedLM:
             blank = np.zeros((ids.shape[0], 1), dtype=np.int64)
             check_feed(self.runner.input_specs, {"input_ids": ids, **lm_defaults(self.runner.input_specs, blank)},
                        self.runner.config)
+        # The cache lives where the provider computes (the GPU for ort-cuda) and never visits the host;
+        # only the new ids go in and the logits come out each step.
+        device = getattr(self.runner, "binding_device", "cpu")
+        device_id = getattr(self.runner, "device_id", 0)
         binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        for name, value in extras.items():
-            binding.bind_cpu_input(name, value)
+        for name, value in {"input_ids": ids, **extras}.items():
+            binding.bind_ortvalue_input(name, to_ortvalue(value, device, device_id))
         for name in self.cache_names:
             value = self.cache[name]
             if isinstance(value, np.ndarray):
-                value = ort.OrtValue.ortvalue_from_numpy(value)
+                value = to_ortvalue(value, device, device_id)
             binding.bind_ortvalue_input(name, value)
         outputs = self.runner.output_names
         for name in outputs:
-            binding.bind_output(name, "cpu")
+            if name == "logits":
+                binding.bind_output(name, "cpu")  # the sampler needs them on the host
+            else:
+                binding.bind_output(name, device, device_id)
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.runner.last_inference_time = time.perf_counter() - start
         values = dict(zip(outputs, binding.get_outputs()))
         self.cache = {name: values[name.replace("past.", "present.")] for name in self.cache_names}
-        return values["logits"].numpy()
+        return from_ortvalue(values["logits"])
 
 
 @dataclass

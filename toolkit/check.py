@@ -14,7 +14,7 @@ from runners.compare import Comparison, ToleranceConfig, compare
 from models.registry import has_cache, lm_defaults
 from runners.eager import model_from_artifact
 from runners.generate import CachedLM
-from runners.registry import DEFAULT_BACKENDS, check_backend, create_runner
+from runners.registry import DEFAULT_BACKENDS, artifact_dtype, check_backend, create_runner
 from toolkit.artifacts import Artifact, load_onnx
 from toolkit.configs import PRESETS
 from toolkit.errors import ConfigError, InputError
@@ -28,10 +28,12 @@ class BackendResult:
     device: str
     comparison: Comparison
     seconds: float
+    placement: dict | None = None  # GPU ONNX Runtime backends: runners.ort.PlacementAudit.to_dict()
 
     @property
     def passed(self) -> bool:
-        return bool(self.comparison)
+        placed = self.placement is None or self.placement["ok"] or self.placement.get("fallback_allowed", False)
+        return bool(self.comparison) and placed
 
     @property
     def first_divergence(self) -> str | None:
@@ -55,6 +57,7 @@ class CheckReport:
     # The arrays behind the numbers (feeds per graph, oracle outputs, each backend's outputs), kept for
     # golden files, localisation and plots; not serialised.
     arrays: dict = field(default_factory=dict, repr=False)
+    dtype: str = "float32"  # the artifact's export dtype, which picks the tolerances
 
     @property
     def passed(self) -> bool:
@@ -86,11 +89,12 @@ class CheckReport:
             "passed": self.passed,
             "artifact": self.artifact,
             "reference": "eager-f64",
+            "dtype": self.dtype,
             "inputs": self.inputs,
             "input_source": self.input_source,
             "backends": [
                 {"name": b.name, "device": b.device, "passed": b.passed,
-                 "first_divergence": b.first_divergence, "seconds": b.seconds}
+                 "first_divergence": b.first_divergence, "seconds": b.seconds, "placement": b.placement}
                 for b in self.backends
             ],
             "results": results,
@@ -158,6 +162,7 @@ def cross_check(
     seed: int = 0,
     tolerances: ToleranceConfig | None = None,
     decode_steps: int = 0,
+    allow_cpu_fallback: bool = False,
 ) -> CheckReport:
     """Run every backend on every graph and compare each stage with the float64 eager oracle.
 
@@ -168,13 +173,16 @@ def cross_check(
     decode_steps > 0 (KV-cache artifacts): after the prefill every backend
     decodes that many steps through its own cache, fed the oracle's greedy
     tokens, and each step's logits are compared as `decode.{k}.logits`.
+
+    GPU ONNX Runtime backends also get a placement audit (one profiled run): a compute node on the
+    CPU fails the backend unless allow_cpu_fallback.
     """
     if not backends:
         raise ConfigError("no backends to check; name at least one, e.g. --backends eager,ort-cpu")
     if decode_steps and not has_cache(artifact.graphs[0].input_specs):
         raise ConfigError("--decode-steps needs a KV-cache artifact; export a language model with --variant serving")
     for name in backends:
-        check_backend(name)  # fail on a typo before any model is built
+        check_backend(name, artifact_dtype(artifact))  # fail on a typo before any model is built
     if inputs is None:
         inputs, source = default_inputs(artifact, batch, sequence, seed)
     else:
@@ -201,9 +209,11 @@ def cross_check(
         eager32 = create_runner("eager", artifact, protos=protos, eager_model=eager32_model)
         eager32_outputs.update(_decode(eager32, artifact, inputs["input_ids"], decode_steps, tokens)[0])
         stages += list(decoded)
-    # The float32 eager model's own error is the yardstick for every backend's tolerance.
+    # The eager model's own error at the export dtype is the yardstick for every backend's tolerance;
+    # a non-finite one (float16 overflow in eager) must not make every tolerance infinite.
     calibration = {name: float(np.max(np.abs(eager32_outputs[name].astype(np.float64) - reference[name]), initial=0.0))
                    for name in stages}
+    calibration = {name: value if np.isfinite(value) else 0.0 for name, value in calibration.items()}
     report = CheckReport(
         artifact=artifact.location,
         stages=stages,
@@ -211,20 +221,25 @@ def cross_check(
         input_source=source,
         calibration=calibration,
         arrays={"inputs": inputs, "feeds": feeds, "reference": reference, "outputs": {}},
+        dtype=artifact_dtype(artifact),
     )
     for name in backends:
-        outputs, seconds, device = {}, 0.0, ""
+        outputs, seconds, device, placement = {}, 0.0, "", None
         for graph in artifact.graphs:
             model = eager32_model if name == "eager" else oracle_model if name == "eager-f64" else None
             runner = create_runner(name, artifact, graph.name, protos=protos, eager_model=model)
             outputs.update(runner.run(feeds[graph.name]))
             seconds += runner.last_inference_time or 0.0
             device = runner.device
+            if getattr(runner, "binding_device", "cpu") != "cpu":
+                audit = runner.placement(feeds[graph.name]).to_dict()
+                if placement is None or (placement["ok"] and not audit["ok"]):
+                    placement = dict(audit, graph=graph.name, fallback_allowed=allow_cpu_fallback)
         if decode_steps:
             outputs.update(_decode(runner, artifact, inputs["input_ids"], decode_steps, tokens)[0])
-        comparison = compare(reference, outputs, dtype="float32", tolerances=tolerances,
+        comparison = compare(reference, outputs, dtype=artifact_dtype(artifact), tolerances=tolerances,
                              calibration=calibration, order=stages)
-        report.backends.append(BackendResult(name, device, comparison, seconds))
+        report.backends.append(BackendResult(name, device, comparison, seconds, placement))
         report.arrays["outputs"][name] = outputs
     return report
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from exporters.lowerings import DEFAULT_LOWERING, LOWERINGS
 from exporters.onnx_export import VARIANTS, export_model
 from toolkit.configs import get_preset, load_config_file
 from toolkit.errors import ConfigError
@@ -35,7 +36,12 @@ def resolve_model(preset: str | None, config: str | None):
 @click.option("--triton-device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
               help="Instance group kind in the Triton config.")
 @click.option("--triton-instances", type=click.IntRange(min=1), default=1, show_default=True)
-def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, triton_device, triton_instances):
+@click.option("--lowering", type=click.Choice(LOWERINGS), default=DEFAULT_LOWERING, show_default=True,
+              help="functions: portable custom ops with function bodies; standard: ONNX opset 23 RMSNormalization/"
+                   "RotaryEmbedding/Attention; ort: ONNX Runtime's fused com.microsoft kernels.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32.")
+def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, triton_device, triton_instances, dtype, lowering):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
     if checkpoint:
         if preset or config_file:
@@ -45,14 +51,19 @@ def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, trit
         imported = import_checkpoint(checkpoint)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
         artifact = export_model(imported.model, imported.family, imported.config, out_dir,
-                                variant=variant or "serving", source=imported.source, extra_files=extra)
+                                variant=variant or "serving", source=imported.source, extra_files=extra, lowering=lowering,
+                                dtype=dtype)
         label = f"{checkpoint} ({imported.source['format']} {imported.source['architecture']})"
     else:
         spec, name = resolve_model(preset, config_file)
         artifact = export_model(spec.build(), spec.family, spec.config, out_dir, variant=variant or "stages",
-                                preset=name, seed=spec.seed)
+                                preset=name, seed=spec.seed, lowering=lowering, dtype=dtype)
         label = name or spec.name
-    click.echo(f"exported {label} ({artifact.family}, {artifact.variant}) to {out_dir}:")
+    precision = "" if dtype == "float32" else f", {dtype}"
+    click.echo(f"exported {label} ({artifact.family}, {artifact.variant}{precision}) to {out_dir}:")
+    if lowering != DEFAULT_LOWERING:
+        click.echo(f"  lowering {lowering}: " + "; ".join(
+            f"{g.model_path.name} attention {g.entry['attention_op']}" for g in artifact.graphs))
     for graph in artifact.graphs:
         click.echo(f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
                    f"{', '.join(graph.entry['custom_ops']) or 'none'}, sha256 {graph.entry['sha256'][:12]}")

@@ -1,0 +1,250 @@
+"""Reduced-precision exports: rewrite a traced float32 graph to float16 or bfloat16.
+
+The model is always traced in float32; this module then decides, tensor by
+tensor, which float32 values become the export dtype and which stay float32:
+
+- parameters (the model's weights) and float graph inputs/outputs are the
+  export dtype; so is everything computed from them;
+- values that derive from no activation and no parameter (positions cast to
+  float, the RoPE inverse frequencies, their cos/sin) stay float32 until they
+  meet an activation, where one Cast brings them down: RoPE angles of a long
+  context do not survive float16 (its spacing at 2048 is 2.0);
+- float32 islands: Softmax, LayerNormalization and reductions take their inputs
+  cast up to float32 and cast their outputs back, so exp/sum and mean/variance
+  never overflow or lose the small terms (the RMSNorm function body does the
+  same inside itself, see exporters.functions.RMSNORM_FLOAT32);
+- constants the graph holds (masks' -inf, scales, buffers) follow the dtype of
+  the nodes that use them, converted once, statically.
+
+Tensors of other types (integers, bool, float64) are never touched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from exporters.functions import reduced_precision_function_protos
+from models.ops import CUSTOM_DOMAIN
+from toolkit.errors import ExportError
+
+DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+REDUCED = ("float16", "bfloat16")
+# Ops that run in float32 whatever the export dtype: their accumulations (exp-sum, mean, variance) are
+# where float16 overflows (x^2 > 65504 for |x| > 256) or drops the small terms.
+FLOAT32_ISLANDS = frozenset({
+    "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "GroupNormalization",
+    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
+})
+_SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan"})
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown export dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of an export dtype (bfloat16 comes from ml_dtypes, which onnx depends on)."""
+    check_dtype(dtype)
+    return np.dtype(helper.tensor_dtype_to_np_dtype(DTYPES[dtype]))
+
+
+def input_specs(specs: list[dict], dtype: str) -> list[dict]:
+    """Manifest input specs with float32 inputs declared in the export dtype."""
+    return [dict(s, dtype=dtype) if s["dtype"] == "float32" else dict(s) for s in specs]
+
+
+def convert_array(array: np.ndarray, dtype: str, where: str) -> np.ndarray:
+    """float32 -> dtype, refusing values the dtype cannot hold (they would silently become inf)."""
+    target = numpy_dtype(dtype)
+    finite = np.isfinite(array)
+    import ml_dtypes  # numpy's finfo does not know bfloat16; ml_dtypes' covers every float type
+
+    limit = float(ml_dtypes.finfo(target).max)
+    if finite.any() and float(np.max(np.abs(array[finite]))) > limit:
+        peak = float(np.max(np.abs(array[finite])))
+        raise ExportError(
+            f"{where}: holds values up to {peak:.4g}, beyond {dtype}'s largest finite value {limit:.4g}; "
+            + ("export with --dtype bfloat16 (float32's range) or float32" if dtype == "float16" else "export with float32")
+        )
+    return array.astype(target)
+
+
+def to_dtype(proto: onnx.ModelProto, dtype: str, parameters: set[str]) -> onnx.ModelProto:
+    """Rewrite the float32 graph `proto` in place to `dtype` (see the module docstring); return it.
+
+    parameters: names of the initializers that hold model parameters (the export dtype's sources
+    together with the float graph inputs). Other float initializers follow their consumers.
+    """
+    check_dtype(dtype)
+    if dtype == "float32":
+        return proto
+    target = DTYPES[dtype]
+    graph = proto.graph
+    typed = onnx.shape_inference.infer_shapes(proto)
+    elem = {v.name: v.type.tensor_type.elem_type
+            for v in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
+    initializers = {init.name: init for init in graph.initializer}
+    for name, init in initializers.items():
+        elem[name] = init.data_type
+
+    def is_float(name: str) -> bool:
+        return bool(name) and elem.get(name) == TensorProto.FLOAT
+
+    # kind of each float32 tensor: "T" export dtype, "F" float32, "C" constant initializer (undecided)
+    kind: dict[str, str] = {}
+    for value in graph.input:
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            kind[value.name] = "T"
+    for name, init in initializers.items():
+        if init.data_type == TensorProto.FLOAT:
+            kind[name] = "T" if name in parameters else "C"
+            if name in parameters:
+                converted = convert_array(numpy_helper.to_array(init), dtype, f"weight initializer {name!r}")
+                init.CopyFrom(numpy_helper.from_array(converted, name))
+    constant_uses: dict[str, list] = {}  # constant initializer -> [(node, input index, "T" or "F")]
+    cast_cache: dict[tuple[str, int], str] = {}
+    nodes = []
+
+    def cast(name: str, to: int) -> str:
+        key = (name, to)
+        if key not in cast_cache:
+            suffix = "float32" if to == TensorProto.FLOAT else dtype
+            out = _fresh(f"{name}__{suffix}", elem)
+            elem[out] = to
+            nodes.append(helper.make_node("Cast", [name], [out], to=to, name=f"{out}__cast"))
+            cast_cache[key] = out
+        return cast_cache[key]
+
+    def bring(node, want: str) -> None:
+        """Make every float input of `node` arrive as `want` ("T" or "F")."""
+        for i, name in enumerate(node.input):
+            if not is_float(name):
+                continue
+            have = kind.get(name, "F")
+            if have == "C":
+                constant_uses.setdefault(name, []).append((node, i, want))
+            elif have != want:
+                node.input[i] = cast(name, target if want == "T" else TensorProto.FLOAT)
+
+    for original in graph.node:
+        node = onnx.NodeProto()
+        node.CopyFrom(original)  # the graph's node list is rebuilt below
+        if node.op_type in _SUBGRAPH_OPS:
+            raise ExportError(f"--dtype {dtype}: node {node.name!r} ({node.op_type}) has subgraphs, which the "
+                              "precision rewrite does not handle; export with --dtype float32")
+        float_outputs = [o for o in node.output if is_float(o)]
+        if node.domain in ("", "ai.onnx") and node.op_type == "Cast":
+            if float_outputs:
+                kind[node.output[0]] = "F"  # an explicit cast to float32 (positions) stays float32
+            nodes.append(node)
+            continue
+        if node.domain in ("", "ai.onnx") and node.op_type == "CastLike":
+            if float_outputs:
+                kind[node.output[0]] = kind.get(node.input[1], "F") if kind.get(node.input[1]) != "C" else "F"
+            nodes.append(node)
+            continue
+        if node.domain in ("", "ai.onnx") and node.op_type in FLOAT32_ISLANDS:
+            bring(node, "F")
+            renamed = []
+            for i, out in enumerate(node.output):
+                if is_float(out):
+                    inner = _fresh(f"{out}__float32", elem)
+                    elem[inner] = TensorProto.FLOAT
+                    node.output[i] = inner
+                    renamed.append((inner, out))
+            nodes.append(node)
+            for inner, out in renamed:
+                nodes.append(helper.make_node("Cast", [inner], [out], to=target, name=f"{out}__cast"))
+                kind[out] = "T"
+            continue
+        inputs = [kind.get(n, "F") for n in node.input if is_float(n)]
+        compute = "T" if "T" in inputs else "F"
+        bring(node, compute)
+        for out in float_outputs:
+            kind[out] = compute
+        nodes.append(node)
+
+    _settle_constants(graph, initializers, constant_uses, dtype)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _outputs_to_dtype(graph, kind, target, elem)
+    for value in graph.input:
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = target
+    del graph.value_info[:]  # stale float32 types; the export's shape inference fills them again
+    custom = {f.name for f in proto.functions if f.domain == CUSTOM_DOMAIN}
+    replacements = {f.name: f for f in reduced_precision_function_protos(custom)}
+    for i, function in enumerate(proto.functions):
+        if function.domain == CUSTOM_DOMAIN and function.name in replacements:
+            proto.functions[i].CopyFrom(replacements[function.name])
+    return proto
+
+
+def _settle_constants(graph, initializers, uses, dtype) -> None:
+    """Convert constant initializers to what their consumers need: in place, or a copy when both are needed."""
+    for name, places in uses.items():
+        needs = {want for _, _, want in places}
+        if "T" not in needs:
+            continue  # float32 consumers only: stays float32
+        converted = convert_array(numpy_helper.to_array(initializers[name]), dtype, f"initializer {name!r}")
+        if needs == {"T"}:
+            initializers[name].CopyFrom(numpy_helper.from_array(converted, name))
+            continue
+        copy = numpy_helper.from_array(converted, f"{name}__{dtype}")
+        graph.initializer.append(copy)
+        for node, index, want in places:
+            if want == "T":
+                node.input[index] = copy.name
+
+
+def _outputs_to_dtype(graph, kind, target, elem) -> None:
+    for value in graph.output:
+        if value.type.tensor_type.elem_type != TensorProto.FLOAT:
+            continue
+        value.type.tensor_type.elem_type = target
+        if kind.get(value.name) == "T":
+            continue
+        # A float32 result (derived from positions only): cast it under its own name.
+        inner = _fresh(f"{value.name}__float32", elem)
+        for node in graph.node:
+            node.output[:] = [inner if o == value.name else o for o in node.output]
+            node.input[:] = [inner if i == value.name else i for i in node.input]
+        graph.node.append(helper.make_node("Cast", [inner], [value.name], to=target, name=f"{value.name}__cast"))
+
+
+def _fresh(base: str, taken: dict) -> str:
+    name, n = base, 0
+    while name in taken:
+        n += 1
+        name = f"{base}_{n}"
+    return name
+
+
+def check_supported(dtype: str, lowering: str) -> None:
+    """Refuse dtype/lowering combinations this rewrite does not cover, before the slow trace."""
+    check_dtype(dtype)
+    if dtype != "float32" and lowering != "functions":
+        raise ExportError(
+            f"--dtype {dtype} with --lowering {lowering} is not supported yet: the float32 islands are built "
+            "for the custom-function graph; export with --lowering functions, or with --dtype float32"
+        )
+
+
+def apply(model, protos: dict, entries: list[dict], dtype: str) -> None:
+    """Rewrite every exported graph to `dtype` and declare it in the manifest entries (in place).
+
+    Runs after the weight map was recorded on the float32 graphs, so the map still names the
+    initializer of every weight; the eager reference is rebuilt from the rounded values it holds.
+    """
+    check_dtype(dtype)
+    if dtype == "float32":
+        return
+    parameter_names = {name for name, _ in model.named_parameters()}
+    for entry in entries:
+        parameters = {place["initializer"] for name, place in entry["weights"].items() if name in parameter_names}
+        to_dtype(protos[entry["name"]], dtype, parameters)
+        entry["inputs"] = input_specs(entry["inputs"], dtype)
+        entry["outputs"] = input_specs(entry["outputs"], dtype)
