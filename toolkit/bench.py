@@ -399,8 +399,8 @@ def label(result: dict) -> str:
     return f"{result['backend']} {result['lowering']} {result['dtype']}{bits}"
 
 
-def write_png(report: dict, path: str | Path) -> None:
-    """Decode tokens/s (with the bandwidth bound) and prefill ms per backend, one group per batch size."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or a clear error (call it before measuring, to fail fast)."""
     try:
         import matplotlib
 
@@ -408,6 +408,12 @@ def write_png(report: dict, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ToolkitError("--png needs matplotlib; install it with `pip install -e '.[plot]'` or drop --png") from None
+    return plt
+
+
+def write_png(report: dict, path: str | Path) -> None:
+    """Decode tokens/s (with the bandwidth bound) and prefill ms per backend, one group per batch size."""
+    plt = pyplot()
     results = report["results"]
     labels = list(dict.fromkeys(label(r) for r in results))
     batches = sorted({r["batch"] for r in results})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from toolkit.bench import BenchSettings, bench, parse_batches, text_table, time_export, write_png
+from toolkit.bench import BenchSettings, bench, parse_batches, pyplot, text_table, time_export, write_png
 from toolkit.commands.common import split_backends, write_text_atomically
 
 
@@ -40,6 +40,8 @@ def command(artifact_dirs, backends, prompt_len, new_tokens, batches, repeats, w
                              repeats=repeats, warmup=warmup, threads=threads)
     if checkpoint and not time_the_export:
         raise click.UsageError("--from only names the checkpoint for --export; add --export")
+    if png_file:
+        pyplot()  # no chart library: say so before minutes of measuring
     report = bench(list(artifact_dirs), backends=split_backends(backends), settings=settings, isolate=not in_process,
                    progress=lambda line: click.echo(f"measuring {line}", err=True))
     if time_the_export:
