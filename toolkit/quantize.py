@@ -40,6 +40,7 @@ BITS = (4, 8)
 BLOCK_SIZES = (32, 64, 128)
 # ONNX Runtime's MatMulNBits attribute: 0 = unset (float32 activations), 4 = int8 activations (faster on CPU).
 ACCURACY_LEVELS = (0, 1, 4)
+FLOAT_TYPES = (1, 10, 16)  # TensorProto FLOAT, FLOAT16, BFLOAT16
 HEAD = "lm_head.weight"  # the vocabulary projection in every decoder family (models/llama.py, models/gpt.py)
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
@@ -92,10 +93,10 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
     for entry, graph in zip(manifest["graphs"], source.graphs):
         proto = artifacts.load_onnx(graph.model_path)
         weights = _torch_weights(proto, graph.weights)
-        prepared = prepare_proto(proto)
+        prepared, folded = prepare_proto(proto)
         proto, count = quantize_proto(prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level)
         total += count
-        entry["weights"] = _weight_map(prepared, proto, weights, bits, prefer_quantized=(HEAD,))
+        entry["weights"] = _weight_map(graph.weights, folded, prepared, proto, weights, bits, prefer_quantized=(HEAD,))
         del prepared
         if manifest["config"].get("tie_embeddings") and "quantized" in entry["weights"].get(HEAD, {}):
             # The graph multiplies by a quantized copy of the embedding while Gather reads the float one:
@@ -164,7 +165,8 @@ def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes]) -> dict[st
 
 
 def prepare_proto(proto):
-    """Inline the custom-domain functions and fold constant transposes, so weights are MatMul's constant B."""
+    """(graph, {initializer: its folded transpose}): custom-domain functions inlined and constant transposes
+    folded, so weights are MatMul's constant B."""
     import onnx.inliner
 
     proto = onnx.inliner.inline_local_functions(proto)
@@ -172,8 +174,8 @@ def prepare_proto(proto):
     kept = [o for o in proto.opset_import if o.domain != CUSTOM_DOMAIN]
     del proto.opset_import[:]
     proto.opset_import.extend(kept)
-    fold_constant_transposes(proto)
-    return proto
+    folded = fold_constant_transposes(proto)
+    return proto, folded
 
 
 def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0):
@@ -196,15 +198,16 @@ def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0
     return result, count
 
 
-def fold_constant_transposes(proto) -> int:
+def fold_constant_transposes(proto) -> dict[str, str]:
     """Replace Transpose(initializer) by a transposed initializer, so MatMul sees a constant B.
 
-    Only Transpose is folded (it is exact: a permutation of the stored values), nothing else changes.
+    Only Transpose is folded (exact: a permutation of the stored values). Returns {source initializer:
+    its 2-D transposed copy} so weight locations can follow the rename.
     """
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in proto.graph.initializer}
-    kept, folded = [], 0
+    kept, folded = [], {}
     for node in proto.graph.node:
         if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and node.input[0] in initializers:
             array = numpy_helper.to_array(initializers[node.input[0]])
@@ -212,7 +215,8 @@ def fold_constant_transposes(proto) -> int:
             transposed = np.ascontiguousarray(np.transpose(array, perm))
             proto.graph.initializer.append(numpy_helper.from_array(transposed, node.output[0]))
             initializers[node.output[0]] = proto.graph.initializer[-1]
-            folded += 1
+            if array.ndim == 2:
+                folded.setdefault(node.input[0], node.output[0])
         else:
             kept.append(node)
     del proto.graph.node[:]
@@ -224,57 +228,76 @@ def fold_constant_transposes(proto) -> int:
     return folded
 
 
+def _reconstruct(stored: np.ndarray, entry: dict) -> np.ndarray:
+    """The torch-layout weight from its stored initializer: the manifest's slice (fused QKV / gate-up
+    initializers of a lowering, in stored axes), then its transpose."""
+    if entry.get("slice"):
+        axis, start, stop = entry["slice"]
+        stored = np.take(stored, np.arange(start, stop), axis=axis)
+    return stored.T if entry.get("transpose") else stored
+
+
 def _torch_weights(proto, weight_map: dict) -> dict[str, np.ndarray]:
     """{torch weight name: array in torch layout} from the source graph's initializers."""
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in proto.graph.initializer}
-    out = {}
-    for name, entry in weight_map.items():
-        array = numpy_helper.to_array(initializers[entry["initializer"]])
-        out[name] = array.T if entry.get("transpose") else array
-    return out
+    return {name: _reconstruct(numpy_helper.to_array(initializers[entry["initializer"]]), entry)
+            for name, entry in weight_map.items()}
 
 
-def _weight_map(prepared, quantized, weights: dict[str, np.ndarray], bits: int,
-                prefer_quantized: tuple[str, ...] = ()) -> dict[str, dict]:
-    """Where each torch weight lives after quantization.
+def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, weights: dict[str, np.ndarray],
+                bits: int, prefer_quantized: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Where each torch weight lives after quantization, following the initializers it was stored in.
 
-    Every float initializer of the prepared graph (inlined, transposes folded) that holds a weight, as
-    stored or transposed, is a candidate; the quantizer renames a quantized B to `<name>_Q<bits>`. A
-    weight still stored as float maps there; otherwise to its MatMulNBits B, checked to dequantize to
-    within half a quantization step of the float weight. Names in prefer_quantized (a tied LM head,
-    whose quantized copy is what the graph multiplies by) take the quantized location when there is one.
+    A source initializer may have been replaced by its folded transpose (prepare_proto), then by the
+    quantizer's `<name>_Q<bits>` MatMulNBits weight; a weight's slice (fused initializers) carries over,
+    since the dequantized B has the stored float layout. A quantized location is accepted only if it
+    reconstructs the float weight to within half a quantization step. Names in prefer_quantized (the
+    LM head) take a quantized location when one holds their values: a tied head's source entry points at
+    the embedding table, while the graph multiplies by a separate (now quantized) transposed copy.
     """
     import hashlib
 
     from onnx import numpy_helper
 
-    def key(array):
-        return array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
-
-    by_bytes: dict[tuple, list[str]] = {}
-    for init in prepared.graph.initializer:
-        if init.data_type == 1:  # float32
-            by_bytes.setdefault(key(numpy_helper.to_array(init)), []).append(init.name)
     initializers = {init.name: init for init in quantized.graph.initializer}
     specs = {quantized_spec(n)["weight"]: quantized_spec(n) for n in quantized.graph.node if n.op_type == "MatMulNBits"}
+    transposed_copies: dict[tuple, str] = {}  # head search: float32 bytes of prepared initializers
+    if prefer_quantized:
+        for init in prepared.graph.initializer:
+            if init.data_type in FLOAT_TYPES and f"{init.name}_Q{bits}" in specs:
+                array = numpy_helper.to_array(init)
+                transposed_copies[(array.shape, hashlib.sha256(array.tobytes()).digest())] = init.name
     mapping = {}
-    for name, array in weights.items():
-        candidates = [(found, False) for found in by_bytes.get(key(array), [])]
-        if array.ndim == 2:
-            candidates += [(found, True) for found in by_bytes.get(key(np.ascontiguousarray(array.T)), [])]
-        as_float = [{"initializer": f, "transpose": t} for f, t in candidates if f in initializers]
-        as_quantized = [{"initializer": f"{f}_Q{bits}", "transpose": True, "quantized": specs[f"{f}_Q{bits}"]}
-                        for f, t in candidates if t and f"{f}_Q{bits}" in specs]
-        order = as_quantized + as_float if name in prefer_quantized else as_float + as_quantized
-        if not order:
-            raise ModelFileError(f"weight {name!r} {array.shape}: neither a float initializer nor a quantized "
-                                 "MatMul weight after quantization; the eager reference could not be rebuilt")
-        chosen = order[0]
+    for name, entry in source_map.items():
+        location, transpose = entry["initializer"], bool(entry.get("transpose"))
+        if location in folded:
+            location, transpose = folded[location], not transpose
+        extra = {k: v for k, v in entry.items() if k not in ("initializer", "transpose")}
+        options = []
+        if location in initializers:
+            options.append({"initializer": location, "transpose": transpose, **extra})
+        if f"{location}_Q{bits}" in specs:
+            options.append({"initializer": f"{location}_Q{bits}", "transpose": transpose, **extra,
+                            "quantized": specs[f"{location}_Q{bits}"]})
+        if name in prefer_quantized and weights[name].ndim == 2 and not extra:
+            head = np.ascontiguousarray(weights[name].T)
+            copy_name = transposed_copies.get((head.shape, hashlib.sha256(head.tobytes()).digest()))
+            if copy_name is not None:
+                options.insert(0, {"initializer": f"{copy_name}_Q{bits}", "transpose": True,
+                                   "quantized": specs[f"{copy_name}_Q{bits}"]})
+            options.sort(key=lambda option: "quantized" not in option)
+        if not options:
+            raise ModelFileError(f"weight {name!r}: its initializer {entry['initializer']!r} is neither kept nor "
+                                 "quantized; the eager reference could not be rebuilt")
+        chosen = options[0]
         if "quantized" in chosen:
             spec = chosen["quantized"]
-            if not _within_step(array.T, dequantize_weight(initializers, spec), spec, initializers):
+            rebuilt = _reconstruct(dequantize_weight(initializers, spec), chosen)
+            step = _reconstruct(_step(spec, initializers), chosen)
+            # Round-to-nearest is off by at most half a step; 0.51 absorbs float32 rounding of the scale.
+            if rebuilt.shape != weights[name].shape or not np.all(np.abs(rebuilt - weights[name]) <= 0.51 * step + 1e-7):
                 raise ModelFileError(f"weight {name!r}: its {bits}-bit MatMulNBits weight {spec['weight']!r} does "
                                      "not dequantize to within half a step of the float weight")
         mapping[name] = chosen
@@ -320,14 +343,13 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _within_step(reference: np.ndarray, dequantized: np.ndarray, spec: dict, initializers: dict) -> bool:
+def _step(spec: dict, initializers: dict) -> np.ndarray:
+    """[K, N]: the quantization step (scale) of each element's block."""
     from onnx import numpy_helper
 
     k, n, block = spec["K"], spec["N"], spec["block_size"]
     scales = numpy_helper.to_array(initializers[spec["scales"]]).reshape(n, -1).astype(np.float32)
-    step = np.repeat(scales.T, block, axis=0)[:k]  # (K, N): the scale of each element's block
-    # Round-to-nearest is off by at most half a step; 0.51 absorbs float32 rounding of the scale itself.
-    return bool(np.all(np.abs(reference - dequantized) <= 0.51 * step + 1e-7))
+    return np.repeat(scales.T, block, axis=0)[:k]
 
 
 def _quantizer_version() -> dict:
