@@ -126,6 +126,8 @@ def test_cli_errors(artifacts, tmp_path, monkeypatch):
     assert_user_error(invoke("bench", tmp_path), "missing manifest.json")
     result = invoke("bench", directory, "--from", "x.gguf")
     assert result.exit_code == 2 and "--from only names the checkpoint for --export" in result.output
+    assert_user_error(invoke("bench", directory, "--export", "--from", tmp_path / "missing.gguf"),
+                      "missing.gguf: no such file or directory")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert_user_error(invoke("bench", directory, "--backends", "ort-cpu", "--prompt-len", 1, "--new-tokens", 1,
                              "--batch", 1, "--repeats", 1, "--warmup", 0, "--in-process", "--png", tmp_path / "c.png"),

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import click
 
-from toolkit.bench import BenchSettings, bench, parse_batches, pyplot, text_table, time_export, write_png
+from toolkit.bench import (BenchSettings, bench, parse_batches, pyplot, smollm2_gguf, text_table, time_export,
+                           write_png)
 from toolkit.commands.common import split_backends, write_text_atomically
+from toolkit.errors import ModelFileError
 
 
 @click.command("bench")
@@ -42,6 +44,11 @@ def command(artifact_dirs, backends, prompt_len, new_tokens, batches, repeats, w
         raise click.UsageError("--from only names the checkpoint for --export; add --export")
     if png_file:
         pyplot()  # no chart library: say so before minutes of measuring
+    if time_the_export:  # a missing checkpoint fails now, not after minutes of measuring
+        checkpoint = str(checkpoint or smollm2_gguf())
+        if not Path(checkpoint).exists():
+            raise ModelFileError(f"--from {checkpoint}: no such file or directory; give a GGUF file or a "
+                                 "Hugging Face directory")
     report = bench(list(artifact_dirs), backends=split_backends(backends), settings=settings, isolate=not in_process,
                    progress=lambda line: click.echo(f"measuring {line}", err=True))
     if time_the_export:
