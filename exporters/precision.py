@@ -66,7 +66,7 @@ def convert_array(array: np.ndarray, dtype: str, where: str) -> np.ndarray:
     if finite.any() and float(np.max(np.abs(array[finite]))) > limit:
         peak = float(np.max(np.abs(array[finite])))
         raise ExportError(
-            f"{where}: holds values up to {peak:.4g}, beyond {dtype}'s largest finite value {limit:.4g}; "
+            f"{where}: holds values up to {peak:.4g}, beyond {dtype}'s largest finite value {limit:.6g}; "
             + ("export with --dtype bfloat16 (float32's range) or float32" if dtype == "float16" else "export with float32")
         )
     return array.astype(target)

@@ -108,5 +108,6 @@ def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, pr
 
 def dtype_unsupported(dtype: str) -> dict[str, str]:
     """{backend: why} for the known backends that cannot run artifacts of this export dtype."""
-    return {name: f"it runs {', '.join(dtypes)} artifacts, not {dtype}"
+    able = [n for n in BACKENDS if dtype in DTYPES.get(n, (dtype,)) and n != "eager-f64"]
+    return {name: f"it runs {', '.join(dtypes)} artifacts, not {dtype}; for {dtype} use {', '.join(able)}"
             for name, dtypes in DTYPES.items() if dtype not in dtypes}
