@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from toolkit.errors import InputError
+from toolkit.errors import InputError, ModelFileError
 
 
 class Runner:
@@ -45,7 +45,7 @@ def check_feed(specs: list[dict], inputs: dict, config=None) -> dict[str, np.nda
     extra = [n for n in inputs if n not in expected]
     if missing or extra:
         raise InputError(
-            f"inputs: expected names {expected}, got {sorted(inputs)}"
+            f"inputs: expected names {expected}, got {sorted(inputs, key=repr)}"
             + (f"; missing {missing}" if missing else "")
             + (f"; unexpected {extra}" if extra else "")
         )
@@ -55,7 +55,12 @@ def check_feed(specs: list[dict], inputs: dict, config=None) -> dict[str, np.nda
         name, array = spec["name"], inputs[spec["name"]]
         if not isinstance(array, np.ndarray):
             raise InputError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
-        if array.dtype != np.dtype(spec["dtype"]):
+        try:
+            want_dtype = np.dtype(spec["dtype"])
+        except TypeError:
+            raise ModelFileError(f"input {name!r}: the model declares dtype {spec['dtype']!r}, which numpy does not "
+                                 "know; re-export the model") from None
+        if array.dtype != want_dtype:
             raise InputError(f"input {name!r}: expected dtype {spec['dtype']}, got {array.dtype}; cast it first")
         shape = spec["shape"]
         if array.ndim != len(shape):

@@ -122,6 +122,8 @@ def load_config_file(path: str | Path) -> Preset:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except RecursionError:  # json's decoder recurses per nesting level; a hostile file can nest past the limit
+        raise ConfigError(f"{path}: invalid JSON: nested too deeply; a config is one object of fields") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object with 'family' and 'config', got {type(data).__name__}")
     unknown = set(data) - {"family", "seed", "config"}
