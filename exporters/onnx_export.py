@@ -23,6 +23,7 @@ import torch.nn as nn
 from onnx import numpy_helper
 
 from exporters import precision
+from exporters import replicate
 from exporters.functions import OPSET, function_protos
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from models.registry import get_family
@@ -31,6 +32,7 @@ from toolkit.errors import ConfigError, ExportError
 
 VARIANTS = ("stages", "serving")
 SAMPLE_BATCH, SAMPLE_SEQUENCE = 2, 3
+SKELETON_BYTES = 1 << 16  # initializers above this size are checked by type and shape only
 
 
 class _NamedOutputs(nn.Module):
@@ -93,7 +95,11 @@ def export_model(
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
         inputs, names, run = graph.variant(variant)
-        proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
+        proto = _trace_one_block(model, family, config, graph.name, variant, inputs, names)
+        traced_blocks = 1
+        if proto is None:
+            proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
+            traced_blocks = getattr(config, "layers", 1)
         graph_used = {n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN}
         proto.functions.extend(function_protos(graph_used))
         if not any(o.domain == CUSTOM_DOMAIN for o in proto.opset_import):
@@ -107,6 +113,7 @@ def export_model(
             "outputs": _value_specs(proto.graph.output),
             "stages": list(names),
             "custom_ops": sorted(graph_used),
+            "traced_blocks": traced_blocks,
             "weights": _weight_map(model, proto),
         })
     _check_weights_covered(model, entries)
@@ -137,8 +144,7 @@ def export_model(
         proto.metadata_props.add(key=artifacts.METADATA_KEY, value=json.dumps(embedded, sort_keys=True))
         proto.producer_name = "onnx-toolkit"
         try:
-            onnx.checker.check_model(proto, full_check=True)
-            proto = onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+            _check_and_infer(proto)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
             raise ExportError(f"exported {entry['name']} graph failed the ONNX checker: {exc}") from None
         data = proto.SerializeToString()
@@ -194,6 +200,49 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
     except Exception as exc:  # torch.onnx raises many types; all mean the same to the user
         raise ExportError(f"torch.onnx.export failed for the {graph_name} graph: {_summary(exc)}") from exc
     return program.model_proto
+
+
+def _check_and_infer(proto: onnx.ModelProto) -> None:
+    """Full ONNX checker and strict shape inference, with the inferred types written into `proto`.
+
+    Both serialise the model they are given, which for a real checkpoint means
+    hundreds of MB several times over; so they run on a skeleton whose large
+    initializers are graph inputs of the same type and shape (the checks never
+    read weight values, only small shape constants, which stay initializers).
+    """
+    skeleton = onnx.ModelProto()
+    for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(skeleton, name, getattr(proto, name))
+    skeleton.opset_import.extend(proto.opset_import)
+    skeleton.functions.extend(proto.functions)
+    skeleton.metadata_props.extend(proto.metadata_props)
+    graph = skeleton.graph
+    graph.name = proto.graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(graph, field).extend(getattr(proto.graph, field))
+    for tensor in proto.graph.initializer:
+        if len(tensor.raw_data) > SKELETON_BYTES:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+        else:
+            graph.initializer.append(tensor)
+    onnx.checker.check_model(skeleton, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True).graph
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(inferred.value_info)
+    for output, typed in zip(proto.graph.output, inferred.output):
+        output.type.CopyFrom(typed.type)
+
+
+def _trace_one_block(model, family: str, config, graph_name: str, variant: str, inputs, names):
+    """The graph traced from a one-block copy and replicated (exporters.replicate), or None when the
+    family or the traced graph does not allow it; the caller then traces the whole model."""
+    if not replicate.replicable(family, config):
+        return None
+    small_config, small = replicate.one_block_model(model, family, config)
+    (small_graph,) = [g for g in get_family(family).graphs(small_config) if g.name == graph_name]
+    small_inputs, small_names, small_run = small_graph.variant(variant)
+    proto = _trace(_NamedOutputs(small, small_run, small_names), small_config, graph_name, small_inputs, small_names)
+    return replicate.replicate(model, small, proto, config, [s.name for s in inputs], list(names))
 
 
 def _summary(exc: BaseException) -> str:
