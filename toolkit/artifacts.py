@@ -438,6 +438,14 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
     except (DecodeError, ValueError, RuntimeError) as exc:
         raise CorruptModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it") from None
     del data
+    try:
+        _decode_strings(model)
+    except UnicodeDecodeError as exc:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (a text field is not UTF-8: {exc.reason}); "
+                                "re-export it") from None
+    except _NotText as exc:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (text field {exc} is not UTF-8); "
+                                "re-export it") from None
     if not model.HasField("graph") or model.ir_version < 1:
         raise CorruptModelError(f"{path}: not a readable ONNX model (no graph or no IR version: truncated or not "
                                 "an ONNX file); re-export it")
@@ -452,6 +460,24 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
         raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
                                 "re-export it") from None
     return model
+
+
+class _NotText(ValueError):
+    pass
+
+
+def _decode_strings(message) -> None:
+    """Touch every string field once: protobuf decodes UTF-8 lazily (and may hand proto2 strings back
+    as bytes), so an invalid one would otherwise surface wherever a name is first read (a runner, a
+    report). Bytes fields (raw tensor data) and numeric arrays are not walked."""
+    for field, value in message.ListFields():
+        repeated = field.label == field.LABEL_REPEATED
+        if field.type == field.TYPE_MESSAGE:
+            for item in (value if repeated else (value,)):
+                _decode_strings(item)
+        elif field.type == field.TYPE_STRING:
+            if not all(isinstance(v, str) for v in (value if repeated else (value,))):
+                raise _NotText(field.full_name)
 
 
 def _check_opsets(model, path: Path) -> None:

@@ -377,3 +377,14 @@ def test_write_refuses_file_names_that_leave_the_directory(tmp_path):
     with pytest.raises(ModelFileError, match=r"'\.\./escape' must be a plain file name"):
         write_artifact(tmp_path / "a", {MODEL_FILE: b"m", "../escape": b"x"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_text_fields_that_are_not_utf8_are_corrupt(tmp_path, no_runtime):
+    model = tiny_model()
+    model.metadata_props.add(key="note", value="\u00e9\u00e9")  # UTF-8: c3 a9 c3 a9
+    data = model.SerializeToString().replace("\u00e9\u00e9".encode(), b"\x80\x80\x80\x80")
+    path = tmp_path / "m.onnx"
+    path.write_bytes(data)
+    with pytest.raises(CorruptModelError, match=r"m\.onnx: not a readable ONNX model \(.*not UTF-8"):
+        load_artifact(path)
+    assert no_runtime == []
