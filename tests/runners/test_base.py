@@ -127,3 +127,23 @@ def test_runner_records_inference_time_after_a_run():
 def test_base_runner_has_no_inference():
     with pytest.raises(NotImplementedError):
         Runner(HIDDEN, ["out"]).run({"hidden_states": hidden()})
+
+
+def test_feed_with_non_string_keys_is_an_input_error_not_a_sort_crash():
+    with pytest.raises(InputError, match=r"expected names \['hidden_states'\].*unexpected \[1\]"):
+        check_feed(HIDDEN, {"hidden_states": hidden(), 1: hidden()})
+
+
+def test_a_spec_dtype_numpy_does_not_know_is_a_model_file_error():
+    from toolkit.errors import ModelFileError
+
+    specs = [{"name": "x", "dtype": "no-such-dtype", "shape": [1]}]
+    with pytest.raises(ModelFileError, match=r"input 'x': the model declares dtype 'no-such-dtype'"):
+        check_feed(specs, {"x": np.zeros(1, np.float32)})
+
+
+def test_non_finite_report_counts_every_bad_value_and_names_the_first():
+    x = np.zeros((1, 2, 4), np.float32)
+    x[0, 1, 2], x[0, 1, 3], x[0, 0, 1] = np.nan, np.inf, -np.inf  # first in C order: (0, 0, 1)
+    with pytest.raises(InputError, match=r"'hidden_states': 3 non-finite value\(s\) \(NaN/Inf\), first at index \(0, 0, 1\)"):
+        check_feed(HIDDEN, {"hidden_states": x})
