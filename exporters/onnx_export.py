@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from exporters import precision
 from exporters import replicate
+from exporters import lowerings
+from exporters import precision
 from exporters.functions import OPSET, function_protos
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from models.registry import get_family
@@ -76,12 +77,15 @@ def export_model(
     seed: int | None = None,
     source: dict | None = None,
     extra_files: dict[str, bytes] | None = None,
+    lowering: str = lowerings.DEFAULT_LOWERING,
     dtype: str = "float32",
 ) -> artifacts.Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
 
     source: where the weights came from (an imported checkpoint); extra_files: more files for the
     artifact (the tokenizer), written in the same atomic swap and hashed in the manifest.
+    lowering: "functions" (custom ops with function bodies), "standard" (opset 23) or "ort"
+    (ONNX Runtime's com.microsoft kernels); see exporters/lowerings.py.
     dtype: "float32", "float16" or "bfloat16" for weights and activations (exporters/precision.py).
     """
     fam = get_family(family)
@@ -89,7 +93,8 @@ def export_model(
         raise ConfigError(f"family {family!r} expects a {fam.config_cls.__name__}, got {type(config).__name__}")
     if variant not in VARIANTS:
         raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-    precision.check_supported(dtype, "functions")
+    lowerings.check_supported(family, config, lowering)
+    precision.check_supported(dtype, lowering)
     artifacts.check_output_dir(Path(out_dir))  # before the slow trace
     model = model.to(torch.float32).eval()
     protos, entries, used = {}, [], set()
@@ -116,6 +121,8 @@ def export_model(
             "traced_blocks": traced_blocks,
             "weights": _weight_map(model, proto),
         })
+    if lowering != lowerings.DEFAULT_LOWERING:
+        used = _lower(model, family, config, lowering, protos, entries)
     _check_weights_covered(model, entries)
     precision.apply(model, protos, entries, dtype)  # after the weight map, which matches float32 bytes
 
@@ -126,10 +133,11 @@ def export_model(
         "preset": preset,
         "seed": seed,
         "variant": variant,
-        "dtype": dtype,
         "config": config.to_dict(),
-        "opset": OPSET,
-        "custom_domains": {CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION},
+        "opset": OPSET if lowering == lowerings.DEFAULT_LOWERING else lowerings.STANDARD_OPSET,
+        "custom_domains": lowerings.custom_domains(lowering),
+        "lowering": lowering,
+        "dtype": dtype,
         "custom_ops": sorted(used),
         "graphs": entries,
         "source": source,
@@ -243,6 +251,19 @@ def _trace_one_block(model, family: str, config, graph_name: str, variant: str, 
     small_inputs, small_names, small_run = small_graph.variant(variant)
     proto = _trace(_NamedOutputs(small, small_run, small_names), small_config, graph_name, small_inputs, small_names)
     return replicate.replicate(model, small, proto, config, [s.name for s in inputs], list(names))
+
+
+def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict]) -> set[str]:
+    """Rewrite every traced graph with `lowering`; re-map the weights (fused ones as slices)."""
+    used = set()
+    for entry in entries:
+        proto, fused, notes = lowerings.lower(protos[entry["name"]], lowering, family, config, entry["weights"])
+        protos[entry["name"]] = proto
+        entry["weights"] = {**_weight_map(model, proto), **fused}
+        entry["custom_ops"] = sorted({f"{n.domain}::{n.op_type}" for n in proto.graph.node if n.domain})
+        entry.update(notes)
+        used |= set(entry["custom_ops"])
+    return used
 
 
 def _summary(exc: BaseException) -> str:

@@ -113,6 +113,9 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                 from toolkit.quantize import dequantize_weight
 
                 array = dequantize_weight(initializers, entry["quantized"])
+            if entry.get("slice"):  # a fused initializer (lowering "ort": QKV, gate/up): [axis, start, stop]
+                axis, start, stop = entry["slice"]
+                array = np.take(array, np.arange(start, stop), axis=axis)
             if entry.get("transpose"):
                 array = array.T
             if tuple(array.shape) != tuple(state[name].shape):

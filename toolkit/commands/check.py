@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from exporters.lowerings import unsupported_backends
 from exporters.onnx_export import export_model
 from runners.compare import load_tolerances
 from runners.registry import DEFAULT_BACKENDS, check_backend
@@ -14,7 +15,7 @@ from toolkit.artifacts import load_artifact
 from toolkit.check import cross_check
 from toolkit.commands.common import load_npz, split_backends, write_text_atomically
 from toolkit.configs import get_preset
-from toolkit.errors import ConfigError
+from toolkit.errors import BackendUnavailableError, ConfigError
 from toolkit.golden import check_inputs_fit, compare_with_golden, load_golden, save_golden
 from toolkit.html_report import _pyplot, render_html
 from toolkit.localize import localize_report
@@ -24,7 +25,8 @@ from toolkit.reports import text_table, to_json, to_junit
 @click.command("check")
 @click.argument("artifact_dir", required=False, type=click.Path())
 @click.option("--preset", help="Export this preset to a temporary directory and check it (instead of ARTIFACT_DIR).")
-@click.option("--backends", default=",".join(DEFAULT_BACKENDS), show_default=True, help="Comma-separated backends.")
+@click.option("--backends", help=f"Comma-separated backends [default: {','.join(DEFAULT_BACKENDS)}, less those the "
+                                 "artifact cannot run on, e.g. onnx-reference for --lowering ort].")
 @click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), help=".npz feed (default: preset/random).")
 @click.option("--batch", type=int, help="Batch size of the random feed.")
 @click.option("--seq-len", type=int, help="Sequence length of the random feed.")
@@ -49,7 +51,7 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
     With no ARTIFACT_DIR the built-in worked example is exported to a temporary
     directory and checked. Exit status: 0 all match, 1 a backend diverges, 2 usage error.
     """
-    names = split_backends(backends)
+    names = split_backends(backends) if backends is not None else []
     for name in names:
         check_backend(name)  # before any export, so a typo costs nothing
     inputs = load_npz(inputs_file) if inputs_file else None
@@ -71,6 +73,15 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
             export_model(spec.build(), spec.family, spec.config, artifact_dir, preset=spec.name, seed=spec.seed)
             click.echo(f"exported preset {spec.name!r} to a temporary directory")
         artifact = load_artifact(artifact_dir)
+        unsupported = unsupported_backends(artifact.manifest)
+        if backends is None:
+            names = [name for name in DEFAULT_BACKENDS if name not in unsupported]
+            for name, why in unsupported.items():
+                if name in DEFAULT_BACKENDS:
+                    click.echo(f"not checking {name}: {why}")
+        for name in names:
+            if name in unsupported:
+                raise BackendUnavailableError(f"backend {name!r} cannot run {artifact.location}: {unsupported[name]}")
         if golden is not None:
             check_inputs_fit(golden, artifact)
         if tolerances is not None:

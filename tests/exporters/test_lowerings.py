@@ -1,0 +1,185 @@
+"""Lowerings (exporters/lowerings.py): each is a graph rewrite of the same export, judged against
+the float64 eager oracle rebuilt from the artifact's own weights."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from exporters.lowerings import MS_DOMAIN
+from exporters.onnx_export import export_model
+from models.llama import DecoderConfig
+from models.registry import build_model, get_family
+from runners.eager import model_from_artifact
+from runners.registry import create_runner
+from toolkit.check import cross_check
+from toolkit.cli import main
+from toolkit.configs import get_preset
+from toolkit.errors import BackendUnavailableError, ExportError
+
+# The block family (hand-set weights) and a GQA stack; block-small and decoder-small go the same way.
+CHECKED_PRESETS = ("worked-example", "decoder-small-gqa")
+BACKENDS = {"standard": ("eager", "ort-cpu", "onnx-reference"), "ort": ("eager", "ort-cpu")}
+# head_width 8: ONNX Runtime's GroupQueryAttention takes it (the presets' head widths 2 and 4 it refuses).
+GQA_CONFIG = DecoderConfig(vocab_size=64, layers=2, width=32, heads=4, kv_heads=2, ff_width=48, max_positions=32)
+
+
+def ops(artifact) -> collections.Counter:
+    proto = onnx.load(str(artifact.model_path))
+    return collections.Counter((n.domain, n.op_type) for n in proto.graph.node)
+
+
+@pytest.fixture(scope="module")
+def preset_exports(tmp_path_factory):
+    out = {}
+    for preset in CHECKED_PRESETS:
+        spec = get_preset(preset)
+        for lowering in ("standard", "ort"):
+            path = tmp_path_factory.mktemp(f"{preset}-{lowering}")
+            out[preset, lowering] = export_model(spec.build(), spec.family, spec.config, path / "a",
+                                                 preset=spec.name, seed=spec.seed, lowering=lowering)
+    return out
+
+
+@pytest.fixture(scope="module")
+def serving_exports(tmp_path_factory):
+    model = build_model("llama", GQA_CONFIG, seed=3)
+    out = {}
+    for lowering in ("standard", "ort"):  # the functions lowering's cache graph is tested in test_export.py
+        path = tmp_path_factory.mktemp(f"serving-{lowering}")
+        out[lowering] = export_model(model, "llama", GQA_CONFIG, path / "a", variant="serving", lowering=lowering)
+    return model, out
+
+
+@pytest.mark.parametrize("lowering", ["standard", "ort"])
+@pytest.mark.parametrize("preset", CHECKED_PRESETS)
+def test_presets_pass_check_stage_by_stage(preset_exports, preset, lowering):
+    artifact = preset_exports[preset, lowering]
+    report = cross_check(artifact, BACKENDS[lowering])
+    failures = [(b.name, b.first_divergence) for b in report.backends if not b.passed]
+    assert report.passed, failures
+    # Every stage of the stages variant is still an output, attention probabilities included.
+    spec = get_preset(preset)
+    assert artifact.output_names == list(get_family(spec.family).stage_names(spec.config))
+
+
+def test_standard_is_plain_opset_23(preset_exports):
+    artifact = preset_exports["decoder-small-gqa", "standard"]
+    proto = onnx.load(str(artifact.model_path))
+    assert {(o.domain, o.version) for o in proto.opset_import} == {("", 23)}
+    assert not proto.functions
+    counts = ops(artifact)
+    layers = artifact.config().layers
+    assert counts["", "Attention"] == layers
+    assert counts["", "RotaryEmbedding"] == 2 * layers  # queries and keys
+    assert counts["", "RMSNormalization"] == 2 * layers + 1  # two per block and the final norm
+    assert not any(domain for domain, _ in counts)
+    manifest = artifact.manifest
+    assert (manifest["lowering"], manifest["opset"], manifest["custom_domains"]) == ("standard", 23, {})
+
+
+def test_ort_fuses_residual_adds_and_projections(preset_exports):
+    artifact = preset_exports["decoder-small-gqa", "ort"]
+    counts = ops(artifact)
+    layers = artifact.config().layers
+    # Every norm after the first reads a residual sum, so it carries that add.
+    assert counts[MS_DOMAIN, "SkipSimplifiedLayerNormalization"] == 2 * layers
+    assert counts["", "RMSNormalization"] == 1
+    assert counts["", "Add"] == 0
+    # One MatMul for Q/K/V, one for gate/up, o_proj, down_proj per block, plus the head.
+    assert counts["", "MatMul"] == 4 * layers + 1
+    # Head width 4: GroupQueryAttention refuses it, the opset-23 Attention kernel runs instead.
+    assert artifact.graphs[0].entry["attention_op"] == "Attention (opset 23)"
+    assert artifact.manifest["custom_domains"] == {MS_DOMAIN: 1}
+
+
+@pytest.mark.parametrize("lowering", ["standard", "ort"])
+def test_eager_reference_rebuilds_the_exported_weights(preset_exports, lowering):
+    spec = get_preset("decoder-small-gqa")
+    original = spec.build().state_dict()
+    rebuilt = model_from_artifact(preset_exports["decoder-small-gqa", lowering]).state_dict()
+    assert original.keys() == rebuilt.keys()
+    for name, tensor in original.items():
+        torch.testing.assert_close(rebuilt[name], tensor, rtol=0, atol=0, msg=name)
+    if lowering == "ort":
+        weights = preset_exports["decoder-small-gqa", lowering].graphs[0].weights
+        assert weights["block.0.attention.k_proj.weight"]["slice"] == [1, 16, 24]  # after 4 heads x 4 of Q
+
+
+def test_kv_cache_decode_steps_on_every_lowering(serving_exports):
+    _, artifacts = serving_exports
+    assert artifacts["ort"].graphs[0].entry["attention_op"] == "com.microsoft::GroupQueryAttention"
+    assert ops(artifacts["ort"])[MS_DOMAIN, "GroupQueryAttention"] == GQA_CONFIG.layers
+    for lowering, artifact in artifacts.items():
+        report = cross_check(artifact, BACKENDS[lowering], decode_steps=3)
+        assert report.passed, (lowering, [(b.name, b.first_divergence) for b in report.backends])
+        assert "decode.2.logits" in report.stages
+
+
+@pytest.mark.parametrize("lowering", ["standard", "ort"])
+def test_padded_batch_with_a_cache_matches_the_oracle(serving_exports, lowering):
+    """Rows with different histories (left-padded cache, per-row positions) and a multi-token chunk
+    after a non-empty cache: the path the serving batcher uses, against the float64 oracle."""
+    _, artifacts = serving_exports
+    artifact = artifacts[lowering]
+    c = GQA_CONFIG
+    rng = np.random.default_rng(0)
+    batch, past, new = 2, 5, 3
+    feed = {"input_ids": rng.integers(0, c.vocab_size, (batch, new)),
+            "past_mask": np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64)}
+    feed["position_ids"] = np.array([[3, 4, 5], [5, 6, 7]], dtype=np.int64)
+    for i in range(c.layers):
+        for kind in ("key", "value"):
+            feed[f"past.{i}.{kind}"] = rng.standard_normal((batch, c.kv_heads, past, c.head_width)).astype(np.float32)
+    oracle = create_runner("eager-f64", artifact).run(feed)
+    got = create_runner("ort-cpu", artifact).run(feed)
+    for name, expected in oracle.items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("preset", ["gpt-tiny", "vaswani-2017", "modern-2026"])
+@pytest.mark.parametrize("lowering", ["standard", "ort"])
+def test_models_a_lowering_cannot_express_are_refused(tmp_path, preset, lowering):
+    spec = get_preset(preset)
+    feature = "gpt family's LayerNorm" if preset == "gpt-tiny" else "cross-attention"
+    with pytest.raises(ExportError, match=f"lowering '{lowering}' cannot express .*{feature}.*--lowering functions"):
+        export_model(spec.build(), spec.family, spec.config, tmp_path / "a", lowering=lowering)
+    assert not (tmp_path / "a").exists()
+
+
+def test_unknown_lowering_is_refused(tmp_path):
+    spec = get_preset("decoder-small")
+    with pytest.raises(ExportError, match="unknown lowering 'fast'; choose one of functions, standard, ort"):
+        export_model(spec.build(), spec.family, spec.config, tmp_path / "a", lowering="fast")
+
+
+def test_reference_evaluator_refuses_ort_artifacts_clearly(preset_exports):
+    artifact = preset_exports["worked-example", "ort"]
+    with pytest.raises(BackendUnavailableError, match="onnx-reference.*com.microsoft.*--lowering standard"):
+        create_runner("onnx-reference", artifact)
+
+
+def test_cli_export_and_check_with_a_lowering(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "ort"
+    result = runner.invoke(main, ["export", "--preset", "worked-example", "--lowering", "ort", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "lowering ort" in result.output
+    assert json.loads((out / "manifest.json").read_text())["lowering"] == "ort"
+    result = runner.invoke(main, ["check", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "not checking onnx-reference" in result.output and "RESULT: PASS" in result.output
+    result = runner.invoke(main, ["check", str(out), "--backends", "eager,onnx-reference"])
+    assert result.exit_code == 2
+    assert "Error: backend 'onnx-reference' cannot run" in result.output
+    assert "Traceback" not in result.output
+    result = runner.invoke(main, ["export", "--preset", "gpt-tiny", "--lowering", "standard",
+                                  "--out", str(tmp_path / "gpt")])
+    assert result.exit_code == 2
+    assert "Error: lowering 'standard' cannot express" in result.output
