@@ -9,7 +9,7 @@ Steps, each through the `toolkit` CLI so the table measures what users run:
      read bandwidth measured in the same run, `--export` timing the GGUF -> ONNX export once more),
      writing benchmarks/results/<date>-cpu.json (and a .png chart next to it).
 
-Usage (about 20-30 minutes on a 2-core machine, most of it the three 30-layer exports):
+Usage (about 20-30 minutes on an otherwise idle 2-core machine, most of it the three 30-layer exports):
     .venv/bin/python benchmarks/bench_smollm2.py [--work DIR] [--reuse] [--batch 1,8] [--repeats 5]
 --reuse keeps artifacts already in --work (from an earlier run) instead of re-exporting them.
 """
@@ -57,6 +57,9 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="keep artifacts already in --work")
     parser.add_argument("--lowerings", default=",".join(LOWERINGS), help="which lowerings to export")
     parser.add_argument("--quantize-from", default=None, help="lowering to quantize (default: ort, else functions)")
+    parser.add_argument("--accuracy-level", type=int, default=4,
+                        help="MatMulNBits accuracy level of the quantized exports: 4 (int8 activations, like "
+                             "llama.cpp's q8 dot products; the fast CPU kernels) or 0 (float32 activations)")
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -93,11 +96,11 @@ def main() -> int:
         raise SystemExit(f"--quantize-from {source_lowering}: no such export here ({', '.join(exports)})")
     quantized, quality = {}, {}
     for bits in (4, 8):
-        out = args.work / f"{source_lowering}-int{bits}"
-        report = args.work / f"{source_lowering}-int{bits}.quality.json"
+        out = args.work / f"{source_lowering}-int{bits}-acc{args.accuracy_level}"
+        report = out.with_name(out.name + ".quality.json")
         if not (args.reuse and (out / "manifest.json").is_file() and report.is_file()):
             toolkit("quantize", exports[source_lowering], "--bits", bits, "--block-size", 32, "--out", out,
-                    "--json", report)
+                    "--accuracy-level", args.accuracy_level, "--json", report)
         quantized[bits] = out
         quality[f"int{bits}"] = json.loads(report.read_text())
 

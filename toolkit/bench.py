@@ -133,8 +133,10 @@ def machine_info(threads: int, read_bandwidth_gbs: float) -> dict:
         versions["onnxruntime"] = onnxruntime.__version__
     except ImportError:
         versions["onnxruntime"] = "not installed"
+    # The load average says whether other work shared the cores during the run (then every figure is low).
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
-            "read_bandwidth_gbs": read_bandwidth_gbs, "platform": platform.platform(), "versions": versions}
+            "read_bandwidth_gbs": read_bandwidth_gbs, "load_average": list(os.getloadavg()),
+            "platform": platform.platform(), "versions": versions}
 
 
 def cpu_name() -> str:
@@ -198,7 +200,9 @@ def describe(artifact) -> dict:
     quantization = manifest.get("quantization") or {}
     return {"lowering": manifest.get("lowering") or "functions",
             "dtype": manifest.get("dtype") or "float32",
-            "bits": quantization.get("bits")}
+            "bits": quantization.get("bits"),
+            # MatMulNBits compute: 0 float32 activations, 4 int8 activations (see toolkit quantize)
+            "accuracy_level": quantization.get("accuracy_level")}
 
 
 def measure(artifact_dir: str, backend: str, batch: int, settings: BenchSettings) -> dict:
@@ -396,6 +400,8 @@ def smollm2_gguf() -> Path:
 
 def label(result: dict) -> str:
     bits = "" if result.get("bits") is None else f" int{result['bits']}"
+    if result.get("accuracy_level"):
+        bits += f" acc{result['accuracy_level']}"
     return f"{result['backend']} {result['lowering']} {result['dtype']}{bits}"
 
 
@@ -444,9 +450,10 @@ def write_png(report: dict, path: str | Path) -> None:
 
 def text_table(report: dict) -> str:
     machine = report["machine"]
+    load = machine.get("load_average") or [float("nan")]
     lines = [f"machine: {machine['cpu']}, {machine['threads']} threads, measured read bandwidth "
-             f"{machine['read_bandwidth_gbs']:.1f} GB/s; onnxruntime {machine['versions']['onnxruntime']}, "
-             f"torch {machine['versions']['torch']}",
+             f"{machine['read_bandwidth_gbs']:.1f} GB/s, load average {load[0]:.1f} at the end; onnxruntime "
+             f"{machine['versions']['onnxruntime']}, torch {machine['versions']['torch']}",
              f"{'backend':<36} {'batch':>5} {'prefill ms (min-max)':>24} {'decode tok/s (min-max)':>26} "
              f"{'bound':>8} {'of bound':>8} {'peak RSS MB':>11}"]
     for r in report["results"]:
