@@ -65,7 +65,8 @@ def feeds(draw):
             feed[name] = value
         elif kind in ("id", "position", "mask") and value.size:
             value = value.copy()
-            value.flat[draw(st.integers(0, value.size - 1))] = draw(st.integers(-(2**62), 2**62))
+            bad = np.array([draw(st.integers(-(2**62), 2**62))], np.int64).astype(value.dtype)  # wraps, never raises
+            value.flat[draw(st.integers(0, value.size - 1))] = bad[0]
             feed[name] = value
         elif kind == "empty":
             feed[name] = value[:, :0] if value.ndim >= 2 else value[:0]
