@@ -33,7 +33,6 @@ from toolkit.errors import ConfigError, ExportError
 
 VARIANTS = ("stages", "serving")
 SAMPLE_BATCH, SAMPLE_SEQUENCE = 2, 3
-SKELETON_BYTES = 1 << 16  # initializers above this size are checked by type and shape only
 
 
 class _NamedOutputs(nn.Module):
@@ -211,28 +210,9 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
 
 
 def _check_and_infer(proto: onnx.ModelProto) -> None:
-    """Full ONNX checker and strict shape inference, with the inferred types written into `proto`.
-
-    Both serialise the model they are given, which for a real checkpoint means
-    hundreds of MB several times over; so they run on a skeleton whose large
-    initializers are graph inputs of the same type and shape (the checks never
-    read weight values, only small shape constants, which stay initializers).
-    """
-    skeleton = onnx.ModelProto()
-    for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
-        setattr(skeleton, name, getattr(proto, name))
-    skeleton.opset_import.extend(proto.opset_import)
-    skeleton.functions.extend(proto.functions)
-    skeleton.metadata_props.extend(proto.metadata_props)
-    graph = skeleton.graph
-    graph.name = proto.graph.name
-    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
-        getattr(graph, field).extend(getattr(proto.graph, field))
-    for tensor in proto.graph.initializer:
-        if len(tensor.raw_data) > SKELETON_BYTES:
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
-        else:
-            graph.initializer.append(tensor)
+    """Full ONNX checker and strict shape inference, with the inferred types written into `proto`;
+    both run on the weightless copy (artifacts.weightless), which is all they read."""
+    skeleton = artifacts.weightless(proto)
     onnx.checker.check_model(skeleton, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True).graph
     del proto.graph.value_info[:]

@@ -54,6 +54,10 @@ DEFAULT_MAX_MODEL_BYTES = 4 << 30  # 4 GiB: twice the 2 GiB protobuf limit of a 
 # file from being read into memory and parsed into Python objects at many times its size.
 MAX_MANIFEST_BYTES = 16 << 20
 # Input/output dtypes a manifest may declare (what the exporters and runners handle).
+WEIGHTLESS_BYTES = 1 << 16  # initializers above this size are checked by type and shape only
+# Packed types whose elements are narrower than a byte (numpy's stand-in dtype is wider).
+_SUB_BYTE_TYPES = {getattr(onnx.TensorProto, name): bits for name, bits in
+                   (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)) if hasattr(onnx.TensorProto, name)}
 SPEC_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
 
 
@@ -452,14 +456,65 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
     _check_opsets(model, path)
     external = _check_external_data(model, path)
     _check_size(path, size + external, limit, "model with its external data")
+    _check_initializer_sizes(model, path)
     try:
         # With external data the checker must know the model's directory to find (and confine) the files.
-        onnx.checker.check_model(str(path) if external else model)
+        onnx.checker.check_model(str(path) if external else weightless(model))
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
                                 "re-export it") from None
     return model
+
+
+def weightless(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelProto:
+    """A copy of `model` whose initializers over `threshold` bytes are graph inputs of the same type and shape.
+
+    The ONNX checker and shape inference serialise the model they are given, which for a real
+    checkpoint is hundreds of MB each time; neither reads weight values, only small shape constants,
+    which stay initializers. (_check_initializer_sizes covers what the checker would see of the data.)
+    """
+    threshold = WEIGHTLESS_BYTES if threshold is None else threshold
+    skeleton = onnx.ModelProto()
+    for name in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(skeleton, name, getattr(model, name))
+    skeleton.opset_import.extend(model.opset_import)
+    skeleton.functions.extend(model.functions)
+    skeleton.metadata_props.extend(model.metadata_props)
+    graph = skeleton.graph
+    graph.name = model.graph.name
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
+        getattr(graph, field).extend(getattr(model.graph, field))
+    for tensor in model.graph.initializer:
+        if len(tensor.raw_data) > threshold:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+        else:
+            graph.initializer.append(tensor)
+    return skeleton
+
+
+def _check_initializer_sizes(model: onnx.ModelProto, path: Path) -> None:
+    """Raw initializer bytes must be exactly what their dims and dtype say (a header lie otherwise)."""
+    for tensor in model.graph.initializer:
+        if not tensor.raw_data or tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+            continue
+        try:
+            bits = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * 8
+        except (KeyError, TypeError, ValueError):
+            continue  # the checker judges dtypes
+        if tensor.data_type in _SUB_BYTE_TYPES:
+            bits = _SUB_BYTE_TYPES[tensor.data_type]
+        count = 1
+        for dim in tensor.dims:
+            if dim < 0:
+                raise CorruptModelError(f"{path}: initializer {tensor.name!r} has a negative dimension {dim}; "
+                                        "re-export it")
+            count *= dim
+        expected = (count * bits + 7) // 8
+        if len(tensor.raw_data) != expected:
+            raise CorruptModelError(
+                f"{path}: initializer {tensor.name!r} holds {len(tensor.raw_data)} bytes, its shape "
+                f"{list(tensor.dims)} and dtype need {expected}; re-export it")
 
 
 class _NotText(ValueError):

@@ -300,6 +300,7 @@ def test_failed_checker_keeps_previous_artifact(canned_trace, good_artifact, mon
     monkeypatch.setattr(onnx.checker, "check_model", reject)
     with pytest.raises(ExportError, match="checker.*simulated checker failure"):
         canned_trace(good_artifact)
+    monkeypatch.undo()  # loading runs the checker too
     _assert_untouched(good_artifact, before)
 
 
@@ -343,6 +344,8 @@ def test_failed_swap_restores_previous_artifact(canned_trace, good_artifact, mon
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", flaky_rename)
+    # Where the OS has no atomic exchange the swap is two renames; the second one fails here.
+    monkeypatch.setattr(artifacts, "_exchange", lambda a, b: False)
     with pytest.raises(OSError, match="simulated rename failure"):
         canned_trace(good_artifact)
     monkeypatch.undo()

@@ -132,6 +132,27 @@ def test_a_model_the_checker_rejects_is_corrupt(tmp_path):
         validate_onnx(save(model, tmp_path / "m.onnx"))
 
 
+@pytest.mark.parametrize("change", [-4, 4], ids=["short", "long"])
+def test_initializer_bytes_that_disagree_with_its_shape_are_corrupt(tmp_path, change, no_runtime):
+    model = tiny_model()
+    raw = model.graph.initializer[0].raw_data
+    model.graph.initializer[0].raw_data = raw[:change] if change < 0 else raw + bytes(change)
+    with pytest.raises(CorruptModelError, match=rf"'W' holds {WEIGHT.nbytes + change} bytes.*\[2, 3\].*need {WEIGHT.nbytes}"):
+        load_artifact(save(model, tmp_path / "m.onnx"))
+    assert no_runtime == []
+
+
+def test_large_initializers_are_checked_without_their_bytes(tmp_path, monkeypatch):
+    # Over the threshold the checker sees a typed graph input instead of the data; a graph error is still found.
+    monkeypatch.setattr("toolkit.artifacts.WEIGHTLESS_BYTES", 8)
+    model = tiny_model()
+    model.graph.node[0].input[0] = "nowhere"
+    with pytest.raises(CorruptModelError, match=r"ONNX checker says: .*nowhere"):
+        validate_onnx(save(model, tmp_path / "m.onnx"))
+    loaded = validate_onnx(save(tiny_model(), tmp_path / "ok.onnx"))
+    np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[0]), WEIGHT)
+
+
 def test_truncated_artifact_model_is_refused_by_the_loader(artifact_dir, no_runtime):
     data = (artifact_dir / MODEL_FILE).read_bytes()
     (artifact_dir / MODEL_FILE).write_bytes(data[: len(data) // 2])
