@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,9 @@ from toolkit import artifacts
 from toolkit.errors import ConfigError, ModelFileError
 
 BITS = (4, 8)
+# rtn: round-to-nearest, asymmetric, uint8 zero points (DefaultWeightOnlyQuantConfig);
+# hqq: half-quadratic quantization, float zero points optimised per block without data (HQQWeightOnlyQuantConfig).
+ALGORITHMS = ("rtn", "hqq")
 BLOCK_SIZES = (32, 64, 128)
 # ONNX Runtime's MatMulNBits attribute: 0 = unset (float32 activations), 4 = int8 activations (faster on CPU).
 ACCURACY_LEVELS = (0, 1, 4)
@@ -67,12 +71,17 @@ class QuantizeResult:
 
 
 def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, accuracy_level: int = 0,
-                      greedy_tokens: int = GREEDY_TOKENS) -> QuantizeResult:
+                      algorithm: str = "rtn", greedy_tokens: int = GREEDY_TOKENS) -> QuantizeResult:
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically)."""
     if bits not in BITS:
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm == "hqq" and bits != 4:
+        raise ConfigError(f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
+                          "CPU MatMulNBits at 4 bits only; use --algorithm rtn for 8 bits")
     if accuracy_level not in ACCURACY_LEVELS:
         raise ConfigError(f"--accuracy-level: expected one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
     source_dir, out_dir = Path(source_dir), Path(out_dir)
@@ -94,9 +103,11 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
         proto = artifacts.load_onnx(graph.model_path)
         weights = _torch_weights(proto, graph.weights)
         prepared, folded = prepare_proto(proto)
-        proto, count = quantize_proto(prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level)
+        proto, count = quantize_proto(prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level,
+                                      algorithm=algorithm)
         total += count
-        entry["weights"] = _weight_map(graph.weights, folded, prepared, proto, weights, bits, prefer_quantized=(HEAD,))
+        entry["weights"] = _weight_map(graph.weights, folded, prepared, proto, weights, bits, prefer_quantized=(HEAD,),
+                                       algorithm=algorithm)
         del prepared
         if manifest["config"].get("tie_embeddings") and "quantized" in entry["weights"].get(HEAD, {}):
             # The graph multiplies by a quantized copy of the embedding while Gather reads the float one:
@@ -112,9 +123,10 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
         "bits": bits,
         "block_size": block_size,
         "symmetric": False,
+        "algorithm": algorithm,
         "accuracy_level": accuracy_level,
         "quantized_matmuls": total,
-        "quantizer": _quantizer_version(),
+        "quantizer": _quantizer_version(algorithm),
         "source": {"directory": str(source_dir.resolve()),
                    "manifest_sha256": artifacts.sha256_file(source_dir / artifacts.MANIFEST_FILE)},
         "eager_reference": "the model rebuilt with the dequantized weights",
@@ -178,7 +190,7 @@ def prepare_proto(proto):
     return proto, folded
 
 
-def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0):
+def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0, algorithm: str = "rtn"):
     """(quantized ModelProto, number of MatMulNBits nodes) of a prepared graph (see prepare_proto)."""
     import onnx
 
@@ -189,10 +201,22 @@ def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0
         raise ConfigError(f"onnxruntime's quantization tooling is not importable ({exc}); install onnxruntime") from None
     # The quantizer logs every node it visits at INFO; the command prints its own summary.
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, is_symmetric=False,
-                                     accuracy_level=accuracy_level or None)
-    quantizer.process()
+    if algorithm == "hqq":
+        from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
+
+        config = HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits)
+        quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, algo_config=config)
+    else:
+        quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, is_symmetric=False,
+                                         accuracy_level=accuracy_level or None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HQQ wraps read-only numpy weights in torch tensors; it only reads them
+        quantizer.process()
     result = quantizer.model.model
+    if accuracy_level:  # the HQQ path does not set it
+        for node in result.graph.node:
+            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
     count = sum(1 for n in result.graph.node if n.op_type == "MatMulNBits")
     onnx.checker.check_model(result)
     return result, count
@@ -247,7 +271,7 @@ def _torch_weights(proto, weight_map: dict) -> dict[str, np.ndarray]:
 
 
 def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, weights: dict[str, np.ndarray],
-                bits: int, prefer_quantized: tuple[str, ...] = ()) -> dict[str, dict]:
+                bits: int, prefer_quantized: tuple[str, ...] = (), algorithm: str = "rtn") -> dict[str, dict]:
     """Where each torch weight lives after quantization, following the initializers it was stored in.
 
     A source initializer may have been replaced by its folded transpose (prepare_proto), then by the
@@ -296,10 +320,12 @@ def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, w
             spec = chosen["quantized"]
             rebuilt = _reconstruct(dequantize_weight(initializers, spec), chosen)
             step = _reconstruct(_step(spec, initializers), chosen)
-            # Round-to-nearest is off by at most half a step; 0.51 absorbs float32 rounding of the scale.
-            if rebuilt.shape != weights[name].shape or not np.all(np.abs(rebuilt - weights[name]) <= 0.51 * step + 1e-7):
+            # Round-to-nearest is off by at most half a step (0.51 absorbs float32 rounding of the scale); HQQ
+            # moves scale and zero point to lower the overall error, so only the block's range bounds it.
+            bound = 0.51 if algorithm == "rtn" else 2.0 ** bits
+            if rebuilt.shape != weights[name].shape or not np.all(np.abs(rebuilt - weights[name]) <= bound * step + 1e-7):
                 raise ModelFileError(f"weight {name!r}: its {bits}-bit MatMulNBits weight {spec['weight']!r} does "
-                                     "not dequantize to within half a step of the float weight")
+                                     f"not dequantize to within {bound} steps of the float weight")
         mapping[name] = chosen
     return mapping
 
@@ -317,8 +343,8 @@ def dequantize_weight(initializers: dict, spec: dict) -> np.ndarray:
     """The float32 [K, N] matrix a MatMulNBits B stands for: w = (q - zero_point) * scale, per K-block.
 
     Layout (com.microsoft MatMulNBits): B [N, blocks, block_size * bits / 8] uint8, values in K order,
-    4-bit values two per byte low nibble first; scales [N, blocks]; zero points uint8 packed the same way
-    (default 2^(bits-1) when absent).
+    4-bit values two per byte low nibble first; scales [N, blocks]; zero points uint8 packed the same way,
+    or float [N, blocks] (HQQ), default 2^(bits-1) when absent.
     """
     from onnx import numpy_helper
 
@@ -329,7 +355,10 @@ def dequantize_weight(initializers: dict, spec: dict) -> np.ndarray:
     scales = numpy_helper.to_array(initializers[spec["scales"]]).reshape(n, blocks).astype(np.float32)
     if "zero_points" in spec:
         zp_raw = numpy_helper.to_array(initializers[spec["zero_points"]]).reshape(n, -1)
-        zero = _unpack(zp_raw, bits)[:, :blocks].astype(np.float32)
+        if zp_raw.dtype == np.uint8:
+            zero = _unpack(zp_raw, bits)[:, :blocks].astype(np.float32)
+        else:  # float zero points (HQQ): one per block, not packed
+            zero = zp_raw[:, :blocks].astype(np.float32)
     else:
         zero = np.full((n, blocks), 2 ** (bits - 1), dtype=np.float32)
     weight = (values - zero[..., None]) * scales[..., None]  # (N, blocks, block)
@@ -352,12 +381,13 @@ def _step(spec: dict, initializers: dict) -> np.ndarray:
     return np.repeat(scales.T, block, axis=0)[:k]
 
 
-def _quantizer_version() -> dict:
+def _quantizer_version(algorithm: str) -> dict:
     import onnxruntime
 
+    described = {"rtn": "DEFAULT (round-to-nearest, asymmetric, uint8 zero points, block-wise along K)",
+                 "hqq": "HQQ (half-quadratic, float zero points, block-wise along K)"}
     return {"tool": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
-            "algorithm": "DEFAULT (round-to-nearest, asymmetric, block-wise along K)",
-            "onnxruntime": onnxruntime.__version__}
+            "algorithm": described[algorithm], "onnxruntime": onnxruntime.__version__}
 
 
 # --------------------------------------------------------------------------- quality

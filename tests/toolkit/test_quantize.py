@@ -44,16 +44,16 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quantized(source, tmp_path_factory):
-    """{bits: (artifact, report from --json)} made through the CLI."""
+    """{4 | 8 | "hqq": (artifact, report from --json)} made through the CLI (rtn for 4 and 8 bits, hqq at 4)."""
     base = tmp_path_factory.mktemp("quantized")
     out = {}
-    for bits in (4, 8):
-        target, report = base / f"int{bits}", base / f"int{bits}.json"
-        result = invoke("quantize", source.directory, "--bits", bits, "--block-size", 32, "--out", target,
-                        "--json", report)
+    for key, bits, algorithm in ((4, 4, "rtn"), (8, 8, "rtn"), ("hqq", 4, "hqq")):
+        target, report = base / f"int{key}", base / f"int{key}.json"
+        result = invoke("quantize", source.directory, "--bits", bits, "--block-size", 32, "--algorithm", algorithm,
+                        "--out", target, "--json", report)
         assert result.exit_code == 0, (result.output, result.exception)
-        assert f"to {bits}-bit (block 32" in result.stdout and "greedy agreement" in result.stdout
-        out[bits] = (load_artifact(target), json.loads(report.read_text()))
+        assert f"to {bits}-bit (block 32, {algorithm}" in result.stdout and "greedy agreement" in result.stdout
+        out[key] = (load_artifact(target), json.loads(report.read_text()))
     return out
 
 
@@ -71,9 +71,13 @@ def mnb_dequantize(proto: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
         for b in range(blocks):
             if bits == 8:
                 q = blob[col, b].astype(np.int64)
-                zp = int(zero_blob[col, b])
-            else:  # two values per byte, the lower nibble first; zero points packed the same way
+            else:  # two values per byte, the lower nibble first
                 q = np.array([(byte >> shift) & 0xF for byte in blob[col, b] for shift in (0, 4)], dtype=np.int64)
+            if zero_blob.dtype != np.uint8:  # float zero points (HQQ): one per block, unpacked
+                zp = float(zero_blob[col, b])
+            elif bits == 8:
+                zp = int(zero_blob[col, b])
+            else:  # packed like the values
                 zp = int((zero_blob[col, b // 2] >> (4 * (b % 2))) & 0xF)
             rows = slice(b * block, min((b + 1) * block, k))
             w[rows, col] = ((q - zp) * float(scales[col, b]))[: rows.stop - rows.start]
@@ -112,9 +116,10 @@ def ort_logits(artifact, ids=IDS) -> np.ndarray:
 # --------------------------------------------------------------------------- the graph
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_graph_has_matmulnbits_and_no_float_weight_for_quantized_matmuls(source, quantized, bits):
-    artifact, _ = quantized[bits]
+@pytest.mark.parametrize("key", [4, 8, "hqq"])
+def test_graph_has_matmulnbits_and_no_float_weight_for_quantized_matmuls(source, quantized, key):
+    artifact, _ = quantized[key]
+    bits = 8 if key == 8 else 4
     proto = onnx.load(str(artifact.model_path))
     c = artifact.config()
     head_width = c.width // c.heads
@@ -165,7 +170,7 @@ def test_dequantized_weights_within_half_a_step_and_int8_finer(source, quantized
 def test_logits_match_the_dequantized_oracle_and_int8_is_closer_to_float(source, quantized):
     float_logits = ort_logits(source)
     errors = {}
-    for bits in (4, 8):
+    for bits in (4, 8, "hqq"):
         artifact, _ = quantized[bits]
         proto = onnx.load(str(artifact.model_path))
         # Oracle: the float model in float64 with every quantized matrix replaced by the numpy dequantization;
@@ -183,6 +188,17 @@ def test_logits_match_the_dequantized_oracle_and_int8_is_closer_to_float(source,
         errors[bits] = np.abs(got - float_logits).max()
         assert 0 < errors[bits] < 0.5 * np.abs(float_logits).max()  # sane: a perturbation, not a new model
     assert errors[8] < errors[4]
+    assert errors[8] < errors["hqq"]
+
+
+def test_hqq_has_float_zero_points_and_stays_within_the_block_range(source, quantized):
+    proto = onnx.load(str(quantized["hqq"][0].model_path))
+    inits = {i.name: i for i in proto.graph.initializer}
+    for node in (n for n in proto.graph.node if n.op_type == "MatMulNBits"):
+        assert inits[node.input[3]].data_type == onnx.TensorProto.FLOAT
+    for name, w, w_hat, step in matched(source, proto):
+        assert np.all(np.abs(w - w_hat) <= 16 * step), name  # 16 levels: never outside the block's range
+    assert quantized["hqq"][0].manifest["quantization"]["algorithm"] == "hqq"
 
 
 def test_manifest_records_the_quantization_and_quality(source, quantized):
@@ -224,6 +240,8 @@ def test_bad_bits_and_block_size(source, tmp_path):
         quantize_artifact(source.directory, tmp_path / "q", bits=2)
     with pytest.raises(ConfigError, match="--block-size: expected one of 32, 64, 128, got 16"):
         quantize_artifact(source.directory, tmp_path / "q", bits=4, block_size=16)
+    with pytest.raises(ConfigError, match="--algorithm hqq with --bits 8: .* use --algorithm rtn"):
+        quantize_artifact(source.directory, tmp_path / "q", bits=8, algorithm="hqq")
     assert not (tmp_path / "q").exists()
 
 
