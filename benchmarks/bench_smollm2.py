@@ -3,8 +3,8 @@
 Steps, each through the `toolkit` CLI so the table measures what users run:
   1. export the GGUF with every lowering `toolkit export --help` offers (functions, standard, ort;
      a lowering this toolkit does not have yet is skipped with a message), timing each export;
-  2. quantize one float export (`--quantize-from`, default: ort if available) to int4 and int8,
-     printing and storing each quality report;
+  2. quantize one float export (`--quantize-from`, default: ort if available) to int4 (round-to-nearest
+     and HQQ) and int8, printing and storing each quality report;
   3. `toolkit bench` on all of them side by side in one run (eager PyTorch + ONNX Runtime, the machine's
      read bandwidth measured in the same run, `--export` timing the GGUF -> ONNX export once more),
      writing benchmarks/results/<date>-cpu.json (and a .png chart next to it).
@@ -95,14 +95,16 @@ def main() -> int:
     if source_lowering not in exports:
         raise SystemExit(f"--quantize-from {source_lowering}: no such export here ({', '.join(exports)})")
     quantized, quality = {}, {}
-    for bits in (4, 8):
-        out = args.work / f"{source_lowering}-int{bits}-acc{args.accuracy_level}"
+    # int4 both ways (round-to-nearest and HQQ: on SmolLM2 HQQ keeps far more greedy agreement), int8 rtn.
+    for bits, algorithm in ((4, "rtn"), (4, "hqq"), (8, "rtn")):
+        name = f"int{bits}-{algorithm}"
+        out = args.work / f"{source_lowering}-{name}-acc{args.accuracy_level}"
         report = out.with_name(out.name + ".quality.json")
         if not (args.reuse and (out / "manifest.json").is_file() and report.is_file()):
-            toolkit("quantize", exports[source_lowering], "--bits", bits, "--block-size", 32, "--out", out,
-                    "--accuracy-level", args.accuracy_level, "--json", report)
-        quantized[bits] = out
-        quality[f"int{bits}"] = json.loads(report.read_text())
+            toolkit("quantize", exports[source_lowering], "--bits", bits, "--block-size", 32, "--algorithm",
+                    algorithm, "--out", out, "--accuracy-level", args.accuracy_level, "--json", report)
+        quantized[name] = out
+        quality[name] = json.loads(report.read_text())
 
     date = datetime.date.today().isoformat()
     results = ROOT / "benchmarks" / "results"
