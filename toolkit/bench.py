@@ -201,6 +201,7 @@ def describe(artifact) -> dict:
     return {"lowering": manifest.get("lowering") or "functions",
             "dtype": manifest.get("dtype") or "float32",
             "bits": quantization.get("bits"),
+            "algorithm": quantization.get("algorithm"),
             # MatMulNBits compute: 0 float32 activations, 4 int8 activations (see toolkit quantize)
             "accuracy_level": quantization.get("accuracy_level")}
 
@@ -399,7 +400,7 @@ def smollm2_gguf() -> Path:
 
 
 def label(result: dict) -> str:
-    bits = "" if result.get("bits") is None else f" int{result['bits']}"
+    bits = "" if result.get("bits") is None else f" int{result['bits']} {result.get('algorithm') or 'rtn'}"
     if result.get("accuracy_level"):
         bits += f" acc{result['accuracy_level']}"
     return f"{result['backend']} {result['lowering']} {result['dtype']}{bits}"
