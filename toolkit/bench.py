@@ -455,13 +455,13 @@ def text_table(report: dict) -> str:
     lines = [f"machine: {machine['cpu']}, {machine['threads']} threads, measured read bandwidth "
              f"{machine['read_bandwidth_gbs']:.1f} GB/s, load average {load[0]:.1f} at the end; onnxruntime "
              f"{machine['versions']['onnxruntime']}, torch {machine['versions']['torch']}",
-             f"{'backend':<36} {'batch':>5} {'prefill ms (min-max)':>24} {'decode tok/s (min-max)':>26} "
+             f"{'backend':<44} {'batch':>5} {'prefill ms (min-max)':>24} {'decode tok/s (min-max)':>26} "
              f"{'bound':>8} {'of bound':>8} {'peak RSS MB':>11}"]
     for r in report["results"]:
         prefill = f"{r['prefill_ms']:.1f} ({r['prefill_ms_min']:.1f}-{r['prefill_ms_max']:.1f})"
         decode = (f"{r['decode_tokens_per_s']:.1f} ({r['decode_tokens_per_s_min']:.1f}-"
                   f"{r['decode_tokens_per_s_max']:.1f})")
-        lines.append(f"{label(r):<36} {r['batch']:>5} {prefill:>24} {decode:>26} "
+        lines.append(f"{label(r):<44} {r['batch']:>5} {prefill:>24} {decode:>26} "
                      f"{r['decode_bound_tokens_per_s']:>8.1f} {r['bandwidth_fraction']:>8.0%} {r['peak_rss_mb']:>11.0f}")
     return "\n".join(lines)
 
