@@ -10,7 +10,8 @@ import click
 from exporters.lowerings import unsupported_backends
 from exporters.onnx_export import export_model
 from runners.compare import load_tolerances
-from runners.registry import DEFAULT_BACKENDS, check_backend
+from runners.registry import DEFAULT_BACKENDS, check_backend, artifact_dtype, dtype_unsupported
+from runners.ort import placement_line
 from toolkit.artifacts import load_artifact
 from toolkit.check import cross_check
 from toolkit.commands.common import load_npz, split_backends, write_text_atomically
@@ -44,8 +45,10 @@ from toolkit.reports import text_table, to_json, to_junit
 @click.option("--localize", is_flag=True, help="For each failing ONNX backend, name the first ONNX node that diverges.")
 @click.option("--tolerances", "tolerances_file", type=click.Path(dir_okay=False),
               help="Tolerance file (TOML or .json): per dtype defaults and per stage globs.")
+@click.option("--allow-cpu-fallback", is_flag=True,
+              help="GPU ONNX Runtime backends: accept compute nodes that ONNX Runtime placed on the CPU.")
 def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, decode_steps, json_file, junit_file,
-            html_file, golden_dir, save_golden_dir, localize, tolerances_file):
+            html_file, golden_dir, save_golden_dir, localize, tolerances_file, allow_cpu_fallback):
     """Compare every backend with the float64 eager oracle; exit 0 only if all match.
 
     With no ARTIFACT_DIR the built-in worked example is exported to a temporary
@@ -74,6 +77,7 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
             click.echo(f"exported preset {spec.name!r} to a temporary directory")
         artifact = load_artifact(artifact_dir)
         unsupported = unsupported_backends(artifact.manifest)
+        unsupported.update(dtype_unsupported(artifact_dtype(artifact)))
         if backends is None:
             names = [name for name in DEFAULT_BACKENDS if name not in unsupported]
             for name, why in unsupported.items():
@@ -87,7 +91,8 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
         if tolerances is not None:
             tolerances.check_patterns(list(artifact.output_names))
         report = cross_check(artifact, names, inputs=inputs, batch=batch, sequence=seq_len,
-                             seed=seed, decode_steps=decode_steps, tolerances=tolerances)
+                             seed=seed, decode_steps=decode_steps, tolerances=tolerances,
+                             allow_cpu_fallback=allow_cpu_fallback)
         if golden is not None:
             report.input_source = f"golden inputs from {golden_dir}"
             compare_with_golden(report, golden, artifact, tolerances)
@@ -96,6 +101,9 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
         if save_golden_dir:
             save_golden(report, artifact, save_golden_dir)
     click.echo(text_table(report))
+    for backend in report.backends:
+        if backend.placement is not None:
+            click.echo(f"placement {backend.name}: {placement_line(backend.placement)}")
     if json_file:
         write_text_atomically(json_file, to_json(report))
     if junit_file:
