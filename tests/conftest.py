@@ -31,3 +31,29 @@ def pytest_collection_modifyitems(config, items):
     # The real-model module is by far the longest (a 30-layer export); start it first so that, with
     # `-n 2 --dist loadscope`, the other worker runs everything else meanwhile.
     items.sort(key=lambda item: 0 if "test_smollm2" in item.nodeid else 1)
+
+
+# Fuzz tests report how many cases each parser ran; the lines reach the terminal summary even from
+# xdist workers (user_properties travel with the test reports), so CI logs show the counts.
+_FUZZ_LINES: list[str] = []
+
+
+@pytest.fixture
+def fuzz_summary(record_property):
+    def report(line: str) -> None:
+        print(line)
+        record_property("fuzzed", line)
+
+    return report
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _FUZZ_LINES.extend(value for key, value in report.user_properties if key == "fuzzed")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FUZZ_LINES:
+        terminalreporter.section("fuzzing")
+        for line in sorted(_FUZZ_LINES):
+            terminalreporter.write_line(line)

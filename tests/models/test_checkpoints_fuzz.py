@@ -83,7 +83,7 @@ def drawn_safetensors(draw) -> bytes:
     return struct.pack("<Q", length % 2**64) + raw + b"\0" * draw(st.integers(0, 80))
 
 
-def test_fuzz_safetensors_import(tmp_path):
+def test_fuzz_safetensors_import(tmp_path, fuzz_summary):
     directory = tmp_path / "hf"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(LLAMA))
@@ -98,7 +98,7 @@ def test_fuzz_safetensors_import(tmp_path):
         counts[expect_only_toolkit_errors(lambda: import_checkpoint(directory), path)] += 1
 
     run()
-    print(f"fuzzed {counts['cases']} cases of models.checkpoints safetensors import ({counts['refused']} refused)")
+    fuzz_summary(f"fuzzed {counts['cases']} cases of models.checkpoints safetensors import ({counts['refused']} refused)")
     assert counts["cases"] >= CASES
 
 
@@ -154,7 +154,7 @@ def drawn_gguf(draw) -> bytes:
     return body + b"\0" * (-len(body) % 32) + b"\0" * draw(st.integers(0, 200))
 
 
-def test_fuzz_gguf_import(tmp_path):
+def test_fuzz_gguf_import(tmp_path, fuzz_summary):
     path = tmp_path / "model.gguf"
     seed = valid_gguf(tmp_path)
     counts = {"cases": 0, "imported": 0, "refused": 0}
@@ -167,5 +167,5 @@ def test_fuzz_gguf_import(tmp_path):
         counts[expect_only_toolkit_errors(lambda: import_checkpoint(path), path)] += 1
 
     run()
-    print(f"fuzzed {counts['cases']} cases of models.checkpoints GGUF import ({counts['refused']} refused)")
+    fuzz_summary(f"fuzzed {counts['cases']} cases of models.checkpoints GGUF import ({counts['refused']} refused)")
     assert counts["cases"] >= CASES

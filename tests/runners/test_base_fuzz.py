@@ -92,7 +92,7 @@ def independently_valid(feed: dict) -> None:
     assert set(np.unique(feed["past_mask"])) <= {0, 1}
 
 
-def test_fuzz_check_feed():
+def test_fuzz_check_feed(fuzz_summary):
     counts = {"cases": 0, "accepted": 0, "refused": 0}
 
     @settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
@@ -110,7 +110,7 @@ def test_fuzz_check_feed():
         counts["accepted"] += 1
 
     run()
-    print(f"fuzzed {counts['cases']} cases of runners.base.check_feed "
+    fuzz_summary(f"fuzzed {counts['cases']} cases of runners.base.check_feed "
           f"({counts['accepted']} accepted, {counts['refused']} refused)")
     assert counts["cases"] >= CASES
     assert counts["accepted"] > 0  # the generator reaches the valid side too

@@ -129,7 +129,7 @@ def outcome(call) -> str:
     return "loaded"
 
 
-def test_fuzz_manifest_loading(tmp_path):
+def test_fuzz_manifest_loading(tmp_path, fuzz_summary):
     directory = tmp_path / "artifact"
     directory.mkdir()
     model = tiny_model_bytes(base_manifest())
@@ -144,12 +144,12 @@ def test_fuzz_manifest_loading(tmp_path):
         counts[outcome(lambda: load_artifact(directory).config())] += 1
 
     run()
-    print(f"fuzzed {counts['cases']} cases of toolkit.artifacts manifest loading "
+    fuzz_summary(f"fuzzed {counts['cases']} cases of toolkit.artifacts manifest loading "
           f"({counts['loaded']} loaded, {counts['refused']} refused)")
     assert counts["cases"] >= CASES and counts["loaded"] > 0
 
 
-def test_fuzz_onnx_loading(tmp_path):
+def test_fuzz_onnx_loading(tmp_path, fuzz_summary):
     path = tmp_path / "model.onnx"
     manifest = base_manifest()
     del manifest["graphs"][0]["sha256"]
@@ -166,7 +166,7 @@ def test_fuzz_onnx_loading(tmp_path):
         counts[outcome(lambda: load_artifact(path))] += 1
 
     run()
-    print(f"fuzzed {counts['cases']} cases of toolkit.artifacts ONNX loading "
+    fuzz_summary(f"fuzzed {counts['cases']} cases of toolkit.artifacts ONNX loading "
           f"({counts['loaded']} loaded, {counts['refused']} refused)")
     assert counts["cases"] >= CASES
     assert onnx.load_from_string(valid).graph.name == "tiny"

@@ -55,7 +55,7 @@ def invariants_hold(preset) -> None:
             assert math.isfinite(value), name
 
 
-def test_fuzz_load_config_file(tmp_path):
+def test_fuzz_load_config_file(tmp_path, fuzz_summary):
     path = tmp_path / "config.json"
     counts = {"cases": 0, "accepted": 0, "refused": 0}
 
@@ -75,6 +75,6 @@ def test_fuzz_load_config_file(tmp_path):
         counts["accepted"] += 1
 
     run()
-    print(f"fuzzed {counts['cases']} cases of toolkit.configs.load_config_file "
+    fuzz_summary(f"fuzzed {counts['cases']} cases of toolkit.configs.load_config_file "
           f"({counts['accepted']} accepted, {counts['refused']} refused)")
     assert counts["cases"] >= CASES and counts["accepted"] > 0
