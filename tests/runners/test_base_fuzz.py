@@ -111,6 +111,6 @@ def test_fuzz_check_feed(fuzz_summary):
 
     run()
     fuzz_summary(f"fuzzed {counts['cases']} cases of runners.base.check_feed "
-          f"({counts['accepted']} accepted, {counts['refused']} refused)")
+                 f"({counts['accepted']} accepted, {counts['refused']} refused)")
     assert counts["cases"] >= CASES
     assert counts["accepted"] > 0  # the generator reaches the valid side too

@@ -145,7 +145,7 @@ def test_fuzz_manifest_loading(tmp_path, fuzz_summary):
 
     run()
     fuzz_summary(f"fuzzed {counts['cases']} cases of toolkit.artifacts manifest loading "
-          f"({counts['loaded']} loaded, {counts['refused']} refused)")
+                 f"({counts['loaded']} loaded, {counts['refused']} refused)")
     assert counts["cases"] >= CASES and counts["loaded"] > 0
 
 
@@ -167,6 +167,6 @@ def test_fuzz_onnx_loading(tmp_path, fuzz_summary):
 
     run()
     fuzz_summary(f"fuzzed {counts['cases']} cases of toolkit.artifacts ONNX loading "
-          f"({counts['loaded']} loaded, {counts['refused']} refused)")
+                 f"({counts['loaded']} loaded, {counts['refused']} refused)")
     assert counts["cases"] >= CASES
     assert onnx.load_from_string(valid).graph.name == "tiny"

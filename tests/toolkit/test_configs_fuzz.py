@@ -76,5 +76,5 @@ def test_fuzz_load_config_file(tmp_path, fuzz_summary):
 
     run()
     fuzz_summary(f"fuzzed {counts['cases']} cases of toolkit.configs.load_config_file "
-          f"({counts['accepted']} accepted, {counts['refused']} refused)")
+                 f"({counts['accepted']} accepted, {counts['refused']} refused)")
     assert counts["cases"] >= CASES and counts["accepted"] > 0
