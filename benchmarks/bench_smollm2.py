@@ -118,6 +118,16 @@ def main() -> int:
         bench_args += ["--export", "--from", gguf]
     toolkit(*bench_args)
 
+    # llama.cpp on the same GGUF in the same run, where llama-cpp-python is importable (see llamacpp_bench.py).
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
+    if probe.returncode == 0:
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp_bench.py"), str(gguf), "--threads",
+                        str(args.threads), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+                        "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--into", str(target)],
+                       check=True)
+    else:
+        print("llama-cpp-python is not importable: no llama.cpp row (see benchmarks/llamacpp_bench.py)")
+
     report = json.loads(target.read_text())
     report["checkpoint"] = str(gguf)
     report["export_seconds_by_lowering"] = export_seconds  # this script's exports (empty with --reuse)
