@@ -34,6 +34,7 @@ def measure(gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats:
     llm = Llama(model_path=str(gguf), n_ctx=prompt_len + new_tokens, n_batch=prompt_len, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
     prompt = np.random.default_rng(SEED).integers(0, llm.n_vocab(), (1, prompt_len), dtype=np.int64)[0].tolist()
+    vocab = llm.n_vocab()
     prefill, decode = [], []
     for run in range(warmup + repeats):
         llm.reset()
@@ -41,7 +42,8 @@ def measure(gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats:
         llm.eval(prompt)
         middle = time.perf_counter()
         for _ in range(new_tokens):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # Without logits_all llama-cpp-python keeps no scores; the context holds the last token's logits.
+            token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
             llm.eval([token])
         end = time.perf_counter()
         if run >= warmup:
