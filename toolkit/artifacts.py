@@ -526,7 +526,8 @@ def _decode_strings(message) -> None:
     as bytes), so an invalid one would otherwise surface wherever a name is first read (a runner, a
     report). Bytes fields (raw tensor data) and numeric arrays are not walked."""
     for field, value in message.ListFields():
-        repeated = field.label == field.LABEL_REPEATED
+        # protobuf 7 dropped FieldDescriptor.label; older releases may lack is_repeated.
+        repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
         if field.type == field.TYPE_MESSAGE:
             for item in (value if repeated else (value,)):
                 _decode_strings(item)
