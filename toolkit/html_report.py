@@ -70,6 +70,7 @@ def error_plot(report: CheckReport, plt) -> str:
         ax.set_xticks(x, stages, rotation=60, ha="right", fontsize=8)
         ax.grid(True, which="major", alpha=0.3)
     axes[0].legend(fontsize=8)
+    fig.tight_layout()  # long rotated stage names were clipped at the figure's left edge
     data = _png(fig)
     plt.close(fig)
     return data
@@ -88,8 +89,14 @@ def attention_heatmaps(report: CheckReport, plt) -> list[tuple[str, str]]:
         for h, ax in enumerate(axes[0]):
             image = ax.imshow(heads[h], vmin=0.0, vmax=1.0, cmap="viridis")
             ax.set_title(f"head {h}", fontsize=9)
+            # Positions are integers; matplotlib's default ticks would put half positions on the axes.
+            t_q, t_k = heads[h].shape
+            ax.set_xticks(range(t_k))
+            ax.set_yticks(range(t_q))
+            ax.tick_params(labelsize=7)
             ax.set_xlabel("key position", fontsize=8)
-            ax.set_ylabel("query position", fontsize=8)
+            if h == 0:  # one label for the row of heads; more would overlap the neighbouring map
+                ax.set_ylabel("query position", fontsize=8)
             if heads[h].size <= 64:  # small maps are readable with their numbers
                 for (i, j), p in np.ndenumerate(heads[h]):
                     ax.text(j, i, f"{p:.2f}", ha="center", va="center", fontsize=7,
