@@ -255,6 +255,11 @@ def test_float16_check_fails_when_a_backend_is_off_by_five_percent(exported_dtyp
     monkeypatch.setattr(ort_module.OrtRunner, "_infer", off)
     report = cross_check(exported_dtype("decoder-small", "float16"), ["ort-cpu"])
     assert not report.passed
+    # A tolerance failure on real numbers, not a crash or a missing output: the error is the injected 5%.
+    failure = report.backends[0].comparison.first_failure
+    assert failure.reason.startswith("max_abs"), failure.reason
+    reference = report.arrays["reference"][failure.name]
+    assert failure.max_abs == pytest.approx(0.05 * np.max(np.abs(reference)), rel=0.1)
 
 
 def test_float16_kv_cache_decode_matches_the_oracle(exported_dtype):

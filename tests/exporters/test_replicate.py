@@ -65,6 +65,13 @@ def test_every_block_gets_its_own_weights(tmp_path):
         stored = initializers[where["initializer"]]
         expected = model.state_dict()[name].numpy()
         np.testing.assert_array_equal(stored.T if where["transpose"] else stored, expected, err_msg=name)
+    # ... and each block's nodes read that block's initializers, not block 0's copies.
+    consumed = {x for node in proto.graph.node for x in node.input}
+    names = [artifact.graphs[0].weights[f"block.{i}.attention.q_proj.weight"]["initializer"] for i in range(3)]
+    assert len(set(names)) == 3 and set(names) <= consumed
+    for i in range(3):
+        block = [n for n in proto.graph.node if names[i] in n.input]
+        assert block and all(n.name.endswith(f"__block{i}") == (i > 0) for n in block), (i, [n.name for n in block])
 
 
 def test_a_value_leaving_the_block_sideways_makes_it_trace_the_whole_model():

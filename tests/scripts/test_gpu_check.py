@@ -38,8 +38,9 @@ def test_dry_run_prints_every_step_with_a_timeout_and_writes_nothing(tmp_path):
             assert (f"check {out}/artifacts/{preset}-{dtype} --backends eager\\,eager-cuda\\,ort-cpu\\,ort-cuda "
                     f"--json {out}/check-{preset}-{dtype}.json") in text
     assert "nvidia-smi" in text and "SmolLM2" in result.stdout and "not installed" in result.stdout
-    assert ("bench" in text and "--backends ort-cuda\\,eager-cuda --batch 1\\,8" in text) or \
-        "no `toolkit bench` command" in result.stdout
+    # `toolkit bench` exists, so the GPU bench step must be planned, not skipped.
+    assert "bench" in text and "--backends ort-cuda\\,eager-cuda --batch 1\\,8" in text
+    assert "no `toolkit bench` command" not in result.stdout
     assert not out.exists()
 
 

@@ -215,8 +215,24 @@ def test_manifest_records_the_quantization_and_quality(source, quantized):
         assert 0 <= quality["greedy_agreement"] <= 1 and quality["greedy_positions"] > 0
         assert quality["logits_max_abs"] >= quality["logits_mean_abs"] > 0
         assert np.isfinite(quality["perplexity_float"]) and quality["perplexity_quantized"] > 1
-    assert (quantized[8][0].manifest["quantization"]["quality"]["logits_max_abs"]
-            < quantized[4][0].manifest["quantization"]["quality"]["logits_max_abs"])
+    int8, int4 = (quantized[bits][0].manifest["quantization"]["quality"] for bits in (8, 4))
+    assert int8["logits_max_abs"] < int4["logits_max_abs"]
+    assert int8["greedy_agreement"] >= int4["greedy_agreement"]
+    assert (abs(int8["perplexity_quantized"] - int8["perplexity_float"])
+            <= abs(int4["perplexity_quantized"] - int4["perplexity_float"]))
+
+
+def test_float_perplexity_matches_the_float64_eager_model(source, quantized):
+    from toolkit.quantize import _fixed_inputs
+
+    _, text_ids, _ = _fixed_inputs(source, source.config())
+    ids = torch.tensor([text_ids])
+    with torch.no_grad():
+        logits = model_from_artifact(source).to(torch.float64)(ids)["logits"][0]  # (T, V)
+    # Each position predicts the next token: ppl = exp(mean -log p(ids[t+1] | ids[..t])).
+    nll = -torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None]).mean()
+    reported = quantized[8][0].manifest["quantization"]["quality"]["perplexity_float"]
+    assert reported == pytest.approx(float(torch.exp(nll)), rel=1e-4)
 
 
 def test_quantized_artifact_generates_and_checks_against_its_dequantized_reference(quantized):
