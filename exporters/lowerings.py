@@ -40,7 +40,7 @@ DEFAULT_LOWERING = "functions"
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
 MS_DOMAIN = "com.microsoft"
 MS_DOMAIN_VERSION = 1
-SCOPES_KEY = "pkg.torch.onnx.name_scopes"  # torch.onnx's per-node module path metadata
+from exporters.replicate import SCOPES_KEY  # torch.onnx's per-node module path metadata
 GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's CPU GroupQueryAttention rejects other head widths
 
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.

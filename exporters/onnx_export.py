@@ -9,7 +9,6 @@ One export path for every family:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import logging
@@ -273,10 +272,7 @@ def _weight_map(model: nn.Module, proto: onnx.ModelProto) -> dict[str, dict]:
     which lets the eager reference be rebuilt from the .onnx files alone.
     Weights a graph does not use (the decoder's, in the encoder graph) are absent.
     """
-    def key(array: np.ndarray) -> tuple:
-        # A digest, not the bytes themselves: a real checkpoint's weights would be held twice.
-        return array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
-
+    key = artifacts.array_digest
     by_bytes: dict[tuple, str] = {}
     for init in proto.graph.initializer:
         by_bytes.setdefault(key(numpy_helper.to_array(init)), init.name)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import hashlib
 import heapq
 from collections import defaultdict
 
@@ -33,6 +32,8 @@ import onnx
 import torch
 import torch.nn as nn
 from onnx import numpy_helper
+
+from toolkit.artifacts import array_digest
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 BLOCK_LIST = "block"  # the ModuleList attribute holding the blocks of every stacked family
@@ -60,27 +61,25 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
     return small_config, small.eval()
 
 
-def _digest(array: np.ndarray) -> tuple:
-    return array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
-
-
 def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, tuple[str, bool]] | None:
     """{initializer: (parameter name, transposed)} for initializers holding a parameter; None if an
     initializer looks derived from a parameter some other way (it could not be refilled)."""
     by_digest = {}
     for name, param in small.named_parameters(remove_duplicate=False):
         array = param.detach().numpy()
-        by_digest.setdefault(_digest(array), (name, False))
+        by_digest.setdefault(array_digest(array), (name, False))
         if array.ndim == 2:
-            by_digest.setdefault(_digest(array.T), (name, True))
-    buffers = {_digest(b.detach().numpy()) for b in small.buffers()}
+            by_digest.setdefault(array_digest(array.T), (name, True))
+    buffers = {array_digest(b.detach().numpy()) for b in small.buffers()}
+    shapes = {tuple(p.shape) for p in small.parameters()} | {tuple(p.shape)[::-1] for p in small.parameters()}
     sources = {}
     for init in proto.graph.initializer:
         array = numpy_helper.to_array(init)
-        key = _digest(array)
+        key = array_digest(array)
         if key in by_digest:
             sources[init.name] = by_digest[key]
-        elif key not in buffers and array.dtype.kind == "f" and array.size > max(small.config.width, 64):
+        elif key not in buffers and array.dtype.kind == "f" and (
+                array.size >= small.config.width or tuple(array.shape) in shapes):
             return None  # a weight-sized constant we cannot trace back: maybe a folded weight
     return sources
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from toolkit.artifacts import Artifact, swap_in
 from toolkit.errors import ExportError, ModelFileError
 
-TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "bool": "TYPE_BOOL"}
+TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64", "bool": "TYPE_BOOL"}
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 

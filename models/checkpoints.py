@@ -75,7 +75,7 @@ def import_huggingface(directory: Path) -> ImportedCheckpoint:
         raise ModelFileError(f"{directory}: missing config.json; is this a Hugging Face model directory?")
     try:
         hf = json.loads(config_path.read_text())
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ModelFileError(f"{config_path}: invalid JSON ({exc})") from None
     model_type = hf.get("model_type")
     if model_type == "llama":

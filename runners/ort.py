@@ -15,6 +15,8 @@ it is offered as `strict_placement` rather than used by default.)
 
 from __future__ import annotations
 
+import functools
+
 import json
 import shutil
 import tempfile
@@ -175,8 +177,9 @@ class OrtRunner(Runner):
         self.session.run_with_iobinding(binding)
         return {name: from_ortvalue(value) for name, value in zip(self.output_names, binding.get_outputs())}
 
-    @property
+    @functools.cached_property
     def _bfloat16_outputs(self) -> set[str]:
+        """Read once: the session's outputs do not change, and this is consulted on every step."""
         try:
             outputs = self.session.get_outputs()
         except AttributeError:  # stand-in sessions in tests

@@ -156,7 +156,7 @@ def load_golden(directory: str | os.PathLike) -> Golden:
                           "`toolkit check --save-golden DIR`)")
     try:
         index = json.loads(index_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise GoldenError(f"{index_path}: not valid JSON ({exc}); re-create it with --save-golden") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise GoldenError(f"{index_path}: not a golden index (expected format {FORMAT!r})")
@@ -229,7 +229,7 @@ def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceC
     oracle = compare(golden.reference, today["reference"], dtype="float64", tolerances=tolerances, order=stages)
     report.golden.append(BackendResult(ORACLE, "today's float64 oracle vs golden", oracle, 0.0))
     for backend in report.backends:
-        comparison = compare(golden.reference, today["outputs"][backend.name], dtype="float32",
+        comparison = compare(golden.reference, today["outputs"][backend.name], dtype=report.dtype,
                              tolerances=tolerances, calibration=report.calibration, order=stages)
         report.golden.append(BackendResult(backend.name, backend.device, comparison, backend.seconds))
     then = golden.index["artifact"].get("graph_sha256") or {}

@@ -445,7 +445,7 @@ def localize_report(report, artifact) -> list[Localization]:
         failure = backend.comparison.first_failure
         if failure is None:
             continue
-        if backend.name in ("eager", "eager-f64"):
+        if backend.name.startswith("eager"):
             results.append(Localization(backend.name, failure.name, "-", None, 0,
                                         note="an eager backend runs no ONNX graph; nothing to localise"))
             continue

@@ -281,7 +281,6 @@ def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, w
     LM head) take a quantized location when one holds their values: a tied head's source entry points at
     the embedding table, while the graph multiplies by a separate (now quantized) transposed copy.
     """
-    import hashlib
 
     from onnx import numpy_helper
 
@@ -292,7 +291,7 @@ def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, w
         for init in prepared.graph.initializer:
             if init.data_type in FLOAT_TYPES and f"{init.name}_Q{bits}" in specs:
                 array = numpy_helper.to_array(init)
-                transposed_copies[(array.shape, hashlib.sha256(array.tobytes()).digest())] = init.name
+                transposed_copies[artifacts.array_digest(array)] = init.name
     mapping = {}
     for name, entry in source_map.items():
         location, transpose = entry["initializer"], bool(entry.get("transpose"))
@@ -307,7 +306,7 @@ def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, w
                             "quantized": specs[f"{location}_Q{bits}"]})
         if name in prefer_quantized and weights[name].ndim == 2 and not extra:
             head = np.ascontiguousarray(weights[name].T)
-            copy_name = transposed_copies.get((head.shape, hashlib.sha256(head.tobytes()).digest()))
+            copy_name = transposed_copies.get(artifacts.array_digest(head))
             if copy_name is not None:
                 options.insert(0, {"initializer": f"{copy_name}_Q{bits}", "transpose": True,
                                    "quantized": specs[f"{copy_name}_Q{bits}"]})

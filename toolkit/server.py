@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +40,7 @@ class GenerationFields(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
 
@@ -159,7 +160,7 @@ def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        sampling = Sampling(body.temperature, 0, body.top_p, body.seed if body.seed is not None else 0)
+        sampling = Sampling(body.temperature, 0, body.top_p, body.seed if body.seed is not None else secrets.randbits(32))
         stop_ids = tuple(t for t in (tokenizer.eos_id,) if t is not None)
         job = EngineRequest(prompt_ids, body.max_tokens, sampling, stop_ids,
                             emit=lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
