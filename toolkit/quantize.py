@@ -281,7 +281,6 @@ def _weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, w
     LM head) take a quantized location when one holds their values: a tied head's source entry points at
     the embedding table, while the graph multiplies by a separate (now quantized) transposed copy.
     """
-
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in quantized.graph.initializer}
