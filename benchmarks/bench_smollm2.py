@@ -9,7 +9,7 @@ Steps, each through the `toolkit` CLI so the table measures what users run:
      read bandwidth measured in the same run, `--export` timing the GGUF -> ONNX export once more),
      writing benchmarks/results/<date>-cpu.json (and a .png chart next to it).
 
-Usage (about 20-30 minutes on an otherwise idle 2-core machine, most of it the three 30-layer exports):
+Usage (about 15 minutes on an otherwise idle 2-core machine; 14 minutes on 2026-11-30):
     .venv/bin/python benchmarks/bench_smollm2.py [--work DIR] [--reuse] [--batch 1,8] [--repeats 5]
 --reuse keeps artifacts already in --work (from an earlier run) instead of re-exporting them.
 """
