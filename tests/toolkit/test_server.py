@@ -527,6 +527,7 @@ def sigterm_run(servers, lm):
             r = http.post(term.url + "/v1/completions", json=dict(p, stream=False))
             assert r.status_code == 200
             alone.append(r.json()["choices"][0]["text"])
+    assert term.wait_idle()["active"] == 0
     opened = threading.Barrier(len(payloads) + 1, timeout=30)
 
     def stream(payload):
@@ -535,7 +536,13 @@ def sigterm_run(servers, lm):
             return r.status_code, [line for line in r.iter_lines() if line]
 
     with concurrent.futures.ThreadPoolExecutor(len(payloads)) as pool:
-        futures = [pool.submit(stream, p) for p in payloads]
+        # The queue holds one request: the second stream goes in only once the engine has taken the
+        # first out of the queue, or it is refused with 429 (a race seen once in CI).
+        futures = [pool.submit(stream, payloads[0])]
+        deadline = time.monotonic() + 30
+        while term.health()["active"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        futures.append(pool.submit(stream, payloads[1]))
         opened.wait()
         signalled = time.monotonic()
         term.proc.send_signal(signal.SIGTERM)
