@@ -9,10 +9,13 @@ and RoPE as primitive ops); a lowering rewrites that ModelProto:
   RotaryEmbedding and Attention; SwiGLU becomes primitive ops.
 - "ort": ONNX Runtime's fused com.microsoft kernels (plus opset 23):
   SkipSimplifiedLayerNormalization (the residual add fused into the next norm),
-  one fused QKV projection, RotaryEmbedding, GroupQueryAttention, and one fused
-  gate/up projection. ONNX Runtime's GroupQueryAttention needs a head width that
-  is a multiple of 8; below that the ort lowering uses the opset-23 Attention
-  kernel (recorded per graph in the manifest as "attention_op").
+  one fused QKV projection, GroupQueryAttention, and one fused gate/up
+  projection. With a head width that is a multiple of 16 the packed QKV goes
+  straight into GroupQueryAttention, which applies the rotary embedding itself
+  (no Split or RotaryEmbedding nodes); at a multiple of 8 the projection is
+  split and rotated by com.microsoft RotaryEmbedding; below that the ort
+  lowering uses the opset-23 Attention kernel. The manifest records the choice
+  per graph ("attention_op", "rotary_op").
 
 Each attention module is replaced as a whole: its boundary values (the q/k/v
 projections' input, the o_proj output, the attention_weights stage, the
@@ -20,7 +23,11 @@ present.{i} caches) are found through the torch weight map and the stage names,
 the new nodes recompute it from the model config with the same weights, and the
 old nodes become dead and are removed. The KV-cache contract is unchanged:
 past.{i}.key/value [B, kv_heads, T_past, head_width] in, present = concat(past, new)
-out, position_ids and past_mask as before.
+out, position_ids and past_mask as before. GroupQueryAttention graphs also accept
+a past buffer longer than past_mask (rows after the history are ignored) and then
+return present at that length with the new keys written after the history, in
+place when the caller binds present to the same buffer (manifest "kv_cache":
+"shared-buffer"; runners/generate.CachedLM does so on ONNX Runtime).
 
 What a lowering cannot express is refused with an ExportError naming the feature
 and the lowering that handles it (always "functions").
@@ -42,6 +49,9 @@ MS_DOMAIN = "com.microsoft"
 MS_DOMAIN_VERSION = 1
 from exporters.replicate import SCOPES_KEY  # torch.onnx's per-node module path metadata
 GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's CPU GroupQueryAttention rejects other head widths
+GQA_ROTARY_HEAD_MULTIPLE = 16  # ... and with do_rotary it wants a multiple of 16
+# A graph entry's "kv_cache" when its past.* inputs may be longer buffers that present.* updates in place.
+SHARED_KV_CACHE = "shared-buffer"
 
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.
 REFERENCE_BACKEND = "onnx-reference"
@@ -122,7 +132,11 @@ class _Rewriter:
         self.shared: dict = {}
         head = config.head_width
         self.use_gqa = lowering == "ort" and head % GQA_HEAD_MULTIPLE == 0
-        self.notes = {"attention_op": ("com.microsoft::GroupQueryAttention" if self.use_gqa else "Attention (opset 23)")}
+        # Rotary inside GroupQueryAttention reads packed QKV: no Split or RotaryEmbedding node per layer.
+        self.packed_gqa = self.use_gqa and head % GQA_ROTARY_HEAD_MULTIPLE == 0
+        self.notes = {"attention_op": ("com.microsoft::GroupQueryAttention" if self.use_gqa else "Attention (opset 23)"),
+                      "rotary_op": ("inside GroupQueryAttention (do_rotary)" if self.packed_gqa else
+                                    "com.microsoft::RotaryEmbedding" if lowering == "ort" else "RotaryEmbedding (opset 23)")}
 
     # ---- small builders ---------------------------------------------------------------------------------
     def name(self, hint: str) -> str:
@@ -300,8 +314,10 @@ class _Rewriter:
             bounds = np.cumsum([0, *widths])
             for k, proj in enumerate(("q_proj", "k_proj", "v_proj")):
                 self._record_fused(f"{prefix}.{proj}.weight", qkv_init, 1, int(bounds[k]), int(bounds[k + 1]))
-            q, k, v = self.node("Split", [self.node("MatMul", [x, qkv_init]), self.ints(widths)],
-                                [self.name("q"), self.name("k"), self.name("v")], axis=-1)
+            qkv = self.node("MatMul", [x, qkv_init])
+            if not self.packed_gqa:  # RotaryEmbedding and opset-23 Attention take q, k and v apart
+                q, k, v = self.node("Split", [qkv, self.ints(widths)],
+                                    [self.name("q"), self.name("k"), self.name("v")], axis=-1)
         else:
             q = self.node("MatMul", [x, q_init if self.weights[f"{prefix}.q_proj.weight"]["transpose"]
                                      else self.const(wq, "q_proj_t")])
@@ -312,7 +328,9 @@ class _Rewriter:
         positions = self._positions(x)
         cos, sin = self._rope_caches()
         interleaved = int(c.rope_pairing == "interleaved")
-        if self.lowering == "ort":
+        if self.packed_gqa:
+            pass  # GroupQueryAttention rotates q and k itself (do_rotary), from the packed projection
+        elif self.lowering == "ort":
             q = self.node("RotaryEmbedding", [q, positions, cos, sin], domain=MS_DOMAIN, interleaved=interleaved,
                           num_heads=heads, rotary_embedding_dim=head)
             k = self.node("RotaryEmbedding", [k, positions, cos, sin], domain=MS_DOMAIN, interleaved=interleaved,
@@ -324,15 +342,25 @@ class _Rewriter:
         outs = [self.name("attn"), self.name("present_key") if has_cache else "",
                 self.name("present_value") if has_cache else "", self.name("probs") if want_probs else ""]
         if self.use_gqa:
+            if has_cache:
+                # The kernel reads only the first seqlens_k rows of a longer past buffer and writes the new
+                # keys after them, in place when present is bound to the same buffer (runners/generate.py).
+                self.notes["kv_cache"] = SHARED_KV_CACHE
             seqlens, total = self._gqa_lengths(x, has_cache)
             bias = self._key_padding_bias(x) if "past_mask" in self.graph_inputs else ""
-            inputs = [q, k, v, past[0] if has_cache else "", past[1] if has_cache else "", seqlens, total,
-                      "", "", "", bias]
+            cache = [past[0], past[1]] if has_cache else ["", ""]
+            if self.packed_gqa:
+                # Packed QKV, rotated by the kernel: no Split or RotaryEmbedding nodes per layer.
+                inputs = [qkv, "", "", *cache, seqlens, total, cos, sin, positions, bias]
+            else:
+                inputs = [q, k, v, *cache, seqlens, total, "", "", "", bias]
             if has_cache:
                 # query_seqlens (every row's T new tokens): the kernel then takes chunks of T > 1 after a
                 # non-empty cache at any batch size, which without it it refuses for batch > 1.
                 inputs += ["", "", "", "", "", self._query_lengths(x)]
             attrs = {"num_heads": heads, "kv_num_heads": kv_heads}
+            if self.packed_gqa:
+                attrs.update(do_rotary=1, rotary_interleaved=interleaved)
             if want_probs:
                 attrs["qk_output"] = 2  # the probabilities, after softmax
             self.node("GroupQueryAttention", _trim(inputs), _trim(outs), domain=MS_DOMAIN, **attrs)

@@ -4,6 +4,12 @@ One graph does both phases: the prefill feeds the prompt with an empty cache
 (T_past = 0), each decode step feeds one token with the cache it got back.
 On ONNX Runtime the cache stays in OrtValues bound with IO binding, on the
 provider's device (the GPU for ort-cuda), so no step copies it through numpy.
+
+Graphs whose manifest says kv_cache "shared-buffer" (the ort lowering's
+GroupQueryAttention) also take a past buffer longer than the history: rows
+past seqlens_k are ignored and the new keys are written in place. There the
+cache is one pre-allocated buffer per past.* input, bound as both the past
+input and the present output, so a step neither allocates nor copies it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 
 from models.registry import lm_defaults
 from runners.base import Runner, check_feed
+from exporters.lowerings import SHARED_KV_CACHE
 from toolkit.errors import ConfigError, InputError
 
 
@@ -77,11 +84,23 @@ class CachedLM:
             )
         self.specs = {s["name"]: s for s in runner.input_specs}
         self.session = getattr(runner, "session", None)  # ONNX Runtime: use IO binding
+        self.shared = self.session is not None and getattr(runner, "kv_cache", None) == SHARED_KV_CACHE
+        self.buffers: dict = {}  # shared mode: name -> OrtValue [B, kv_heads, capacity, head_width]
+        self.planned = 0
         self.reset()
 
     def reset(self) -> None:
         self.cache = None
-        self.length = 0
+        self.length = 0  # the shared buffers stay allocated; rows past `length` are ignored
+
+    def reserve(self, positions: int) -> None:
+        """Say how many positions the next generation will hold, so a shared buffer is allocated once."""
+        self.planned = min(int(positions), self.max_positions)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the shared buffers hold (0 when the cache is concatenated each step)."""
+        return next(iter(self.buffers.values())).shape()[2] if self.buffers else 0
 
     def _empty_cache(self, batch: int) -> dict:
         ids = np.zeros((batch, 1), dtype=np.int64)
@@ -100,6 +119,10 @@ class CachedLM:
                              f"max_positions={self.max_positions}; shorten the prompt or --max-new-tokens")
         if self.cache is None:
             self.cache = self._empty_cache(ids.shape[0])
+            self.rows = ids.shape[0]
+        elif ids.ndim != 2 or ids.shape[0] != self.rows:
+            raise InputError(f"input 'input_ids': expected shape ({self.rows}, new tokens) after {self.length} "
+                             f"cached positions of {self.rows} row(s), got {tuple(ids.shape)}; reset() to start over")
         if self.session is not None:
             logits = self._step_bound(ids)
         else:
@@ -126,15 +149,20 @@ class CachedLM:
         binding = self.session.io_binding()
         for name, value in {"input_ids": ids, **extras}.items():
             binding.bind_ortvalue_input(name, to_ortvalue(value, device, device_id))
+        if self.shared:
+            self._grow(ids.shape[0], self.length + ids.shape[1], device, device_id)
         for name in self.cache_names:
-            value = self.cache[name]
+            value = self.buffers[name] if self.shared else self.cache[name]
             if isinstance(value, np.ndarray):
                 value = to_ortvalue(value, device, device_id)
             binding.bind_ortvalue_input(name, value)
         outputs = self.runner.output_names
         for name in outputs:
+            past = name.replace("present.", "past.")
             if name == "logits":
                 binding.bind_output(name, "cpu")  # the sampler needs them on the host
+            elif self.shared and past in self.buffers:
+                binding.bind_ortvalue_output(name, self.buffers[past])  # written in place
             else:
                 binding.bind_output(name, device, device_id)
         start = time.perf_counter()
@@ -143,6 +171,24 @@ class CachedLM:
         values = dict(zip(outputs, binding.get_outputs()))
         self.cache = {name: values[name.replace("past.", "present.")] for name in self.cache_names}
         return from_ortvalue(values["logits"])
+
+    def _grow(self, batch: int, needed: int, device: str, device_id: int) -> None:
+        """Make the shared buffers hold `needed` positions for `batch` rows, keeping the history."""
+        from runners.ort import from_ortvalue, to_ortvalue
+
+        same_rows = bool(self.buffers) and self.buffers[self.cache_names[0]].shape()[0] == batch
+        if same_rows and self.capacity >= needed:
+            return
+        # Double on overflow, so a generation that did not reserve still grows O(log n) times.
+        capacity = min(max(needed, self.planned, 2 * self.capacity if same_rows else 0), self.max_positions)
+        keep = self.length if same_rows else 0
+        for name in self.cache_names:
+            spec = self.specs[name]
+            shape = [batch if d == "batch" else capacity if d == "past_sequence" else d for d in spec["shape"]]
+            array = np.zeros(shape, dtype=spec["dtype"])
+            if keep:
+                array[:, :, :keep] = from_ortvalue(self.buffers[name])[:, :, :keep]
+            self.buffers[name] = to_ortvalue(array, device, device_id)
 
 
 @dataclass
@@ -171,6 +217,7 @@ def generate(lm: CachedLM, prompt_ids: list[int], *, max_new_tokens: int, sampli
     sampler = Sampler(sampling)
     result = Generation(prompt_ids=list(prompt_ids))
     lm.reset()
+    lm.reserve(len(prompt_ids) + max_new_tokens)
     start = time.perf_counter()
     logits = lm.step(np.asarray([prompt_ids], dtype=np.int64))[0, -1]
     result.prefill_seconds = time.perf_counter() - start

@@ -137,9 +137,11 @@ class SessionLoader:
 
 
 class OrtRunner(Runner):
-    def __init__(self, loader: SessionLoader, input_specs, output_names, config=None, name="ort-cpu"):
+    def __init__(self, loader: SessionLoader, input_specs, output_names, config=None, name="ort-cpu",
+                 kv_cache: str | None = None):
         super().__init__(input_specs, output_names, config)
         self.name = name
+        self.kv_cache = kv_cache  # the graph entry's "kv_cache" ("shared-buffer": see runners/generate.py)
         self.loader = loader
         self.session = loader()
         provider = self.session.get_providers()[0]

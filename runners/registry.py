@@ -101,7 +101,8 @@ def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, pr
         return eager_runner(artifact, torch_dtype, name, target.name, protos, model, device=device)
     if name in PROVIDERS:
         loader = SessionLoader(target.model_path, PROVIDERS[name], tf32=tf32)
-        return OrtRunner(loader, target.input_specs, target.output_names, config, name=name)
+        return OrtRunner(loader, target.input_specs, target.output_names, config, name=name,
+                         kv_cache=target.entry.get("kv_cache"))
     proto = (protos or {}).get(target.name) or load_onnx(target.model_path)
     return ReferenceRunner(proto, target.input_specs, target.output_names, config)
 

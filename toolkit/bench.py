@@ -19,9 +19,10 @@ Sessions (ONNX Runtime), set deliberately:
   - IO binding for inputs, outputs and the KV cache (runners/generate.CachedLM): present.* stay in
     ONNX Runtime-owned OrtValues and are bound as the next step's past.*, so no step copies the cache
     through numpy; only the logits come back to the host (the sampler needs them).
-  Pre-allocated, shared past/present buffers need a graph whose present is the past buffer updated in
-  place (a fixed-capacity cache); the exported graphs concatenate past and new keys, so ONNX Runtime's
-  arena allocates each present (reused across steps by the arena, never copied by us).
+  - pre-allocated, shared past/present buffers where the graph allows it (the ort lowering's
+    GroupQueryAttention, manifest kv_cache "shared-buffer"): one buffer per past.* input sized for
+    prompt_len + new_tokens, bound as both past.* and present.*, so the kernel appends in place. The other
+    lowerings' graphs concatenate past and new keys; there ONNX Runtime's arena allocates each present.
 
 Memory-bandwidth bound for decode: a decode step reads every weight once for the whole batch and each
 row's KV cache, so bytes per generated token = (weight bytes + batch * KV bytes at the mean context
@@ -218,6 +219,7 @@ def measure(artifact_dir: str, backend: str, batch: int, settings: BenchSettings
     config = artifact.config()
     runner = _runner(backend, artifact, settings.threads)
     lm = CachedLM(runner, config.max_positions)
+    lm.reserve(settings.prompt_len + settings.new_tokens)
     prompt = np.random.default_rng(SEED).integers(0, config.vocab_size, (batch, settings.prompt_len), dtype=np.int64)
     prefill, decode = [], []
     for run in range(settings.warmup + settings.repeats):
@@ -263,7 +265,8 @@ def _runner(backend: str, artifact, threads: int):
 
         graph = artifact.graph()
         loader = SessionLoader(graph.model_path, PROVIDERS[backend], intra_op_threads=threads)
-        return OrtRunner(loader, graph.input_specs, graph.output_names, artifact.config(), name=backend)
+        return OrtRunner(loader, graph.input_specs, graph.output_names, artifact.config(), name=backend,
+                         kv_cache=graph.entry.get("kv_cache"))
     return create_runner(backend, artifact)
 
 
@@ -366,7 +369,9 @@ def bench(artifact_dirs: list[str], *, backends=DEFAULT_BACKENDS, settings: Benc
         "settings": {**settings.__dict__, "batches": list(settings.batches),
                      "ort_session": {"intra_op_num_threads": settings.threads,
                                      "graph_optimization_level": "ORT_ENABLE_ALL",
-                                     "io_binding": "inputs, outputs and KV cache (OrtValues reused across steps)"}},
+                                     "io_binding": "inputs, outputs and KV cache (OrtValues reused across steps)",
+                                     "kv_cache": "one pre-allocated buffer per past.* bound as present.* where the "
+                                                 "graph allows (ort lowering), else concatenated per step"}},
         "results": results,
     }
 

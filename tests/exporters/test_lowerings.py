@@ -4,6 +4,7 @@ the float64 eager oracle rebuilt from the artifact's own weights."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 
 import numpy as np
@@ -28,6 +29,8 @@ CHECKED_PRESETS = ("worked-example", "decoder-small-gqa")
 BACKENDS = {"standard": ("eager", "ort-cpu", "onnx-reference"), "ort": ("eager", "ort-cpu")}
 # head_width 8: ONNX Runtime's GroupQueryAttention takes it (the presets' head widths 2 and 4 it refuses).
 GQA_CONFIG = DecoderConfig(vocab_size=64, layers=2, width=32, heads=4, kv_heads=2, ff_width=48, max_positions=32)
+# head_width 16: GroupQueryAttention also rotates (do_rotary), so Q/K/V stay packed in one tensor.
+PACKED_CONFIG = DecoderConfig(vocab_size=64, layers=2, width=64, heads=4, kv_heads=2, ff_width=48, max_positions=32)
 
 
 def ops(artifact) -> collections.Counter:
@@ -120,6 +123,61 @@ def test_kv_cache_decode_steps_on_every_lowering(serving_exports):
         report = cross_check(artifact, BACKENDS[lowering], decode_steps=3)
         assert report.passed, (lowering, [(b.name, b.first_divergence) for b in report.backends])
         assert "decode.2.logits" in report.stages
+
+
+@pytest.fixture(scope="module", params=["interleaved", "half"])  # GGUF and Hugging Face checkpoints' pairings
+def packed_export(request, tmp_path_factory):
+    config = dataclasses.replace(PACKED_CONFIG, rope_pairing=request.param)
+    model = build_model("llama", config, seed=5)
+    return export_model(model, "llama", config, tmp_path_factory.mktemp("packed") / "a", variant="serving",
+                        lowering="ort")
+
+
+def test_packed_gqa_rotates_inside_the_kernel(packed_export, serving_exports):
+    counts = ops(packed_export)
+    layers = PACKED_CONFIG.layers
+    assert counts[MS_DOMAIN, "GroupQueryAttention"] == layers
+    # The fused QKV MatMul feeds the kernel directly: nothing splits or rotates it on the way.
+    assert counts["", "Split"] == layers  # gate/up only
+    assert counts[MS_DOMAIN, "RotaryEmbedding"] == counts["", "RotaryEmbedding"] == 0
+    proto = onnx.load(str(packed_export.model_path))
+    for node in (n for n in proto.graph.node if n.op_type == "GroupQueryAttention"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        pairing = packed_export.config().rope_pairing
+        assert (attrs["do_rotary"], attrs["rotary_interleaved"]) == (1, int(pairing == "interleaved"))
+        assert list(node.input[1:3]) == ["", ""] and node.input[9] == "position_ids"
+    entry = packed_export.graphs[0].entry
+    assert (entry["rotary_op"], entry["kv_cache"]) == ("inside GroupQueryAttention (do_rotary)", "shared-buffer")
+    # Head width 8 is below the rotating kernel's multiple of 16: separate RotaryEmbedding nodes remain.
+    small = ops(serving_exports[1]["ort"])
+    assert small[MS_DOMAIN, "RotaryEmbedding"] == 2 * GQA_CONFIG.layers
+    assert serving_exports[1]["ort"].graphs[0].entry["rotary_op"] == "com.microsoft::RotaryEmbedding"
+
+
+def test_packed_gqa_decode_steps_pass_check(packed_export):
+    report = cross_check(packed_export, BACKENDS["ort"], decode_steps=3)
+    assert report.passed, [(b.name, b.first_divergence) for b in report.backends]
+    assert "decode.2.logits" in report.stages
+
+
+@pytest.mark.parametrize("positions", [
+    [[3, 4, 5], [5, 6, 7]],  # each row continues its own history
+    [[0, 2, 4], [7, 1, 3]],  # arbitrary positions: the kernel must rotate by each entry, not count from the first
+])
+def test_packed_gqa_padded_batch_matches_the_oracle(packed_export, positions):
+    c = packed_export.config()
+    rng = np.random.default_rng(1)
+    batch, past, new = 2, 5, 3
+    feed = {"input_ids": rng.integers(0, c.vocab_size, (batch, new)),
+            "past_mask": np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64),
+            "position_ids": np.array(positions, dtype=np.int64)}
+    for i in range(c.layers):
+        for kind in ("key", "value"):
+            feed[f"past.{i}.{kind}"] = rng.standard_normal((batch, c.kv_heads, past, c.head_width)).astype(np.float32)
+    oracle = create_runner("eager-f64", packed_export).run(feed)
+    got = create_runner("ort-cpu", packed_export).run(feed)
+    for name, expected in oracle.items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 @pytest.mark.parametrize("lowering", ["standard", "ort"])

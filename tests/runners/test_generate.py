@@ -8,6 +8,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from exporters.onnx_export import export_model
+from models.llama import DecoderConfig
+from models.registry import build_model
 from runners.generate import CachedLM, Sampler, Sampling, generate
 from runners.registry import create_runner
 from toolkit.configs import get_preset
@@ -234,3 +237,90 @@ def test_generate_argument_errors(artifact, config, exported):
         generate(lm, [1, 96], max_new_tokens=2)
     with pytest.raises(InputError, match=r"no KV cache inputs; export it with `--variant serving`"):
         CachedLM(create_runner("ort-cpu", exported("block-small")), config.max_positions)
+
+
+# --------------------------------------------------------------------------- shared KV buffers
+
+# head_width 16: the ort lowering's GroupQueryAttention, whose past may be a longer buffer updated in place.
+SHARED_CONFIG = DecoderConfig(vocab_size=64, layers=2, width=64, heads=4, kv_heads=2, ff_width=48, max_positions=32)
+
+
+@pytest.fixture(scope="module")
+def shared_artifact(tmp_path_factory):
+    model = build_model("llama", SHARED_CONFIG, seed=11)
+    return export_model(model, "llama", SHARED_CONFIG, tmp_path_factory.mktemp("shared") / "a", variant="serving",
+                        lowering="ort")
+
+
+def feed_both(lms: dict, ids: np.ndarray) -> dict:
+    return {name: lm.step(ids) for name, lm in lms.items()}
+
+
+def test_shared_buffers_grow_in_place_and_match_the_float64_oracle(shared_artifact):
+    ours = CachedLM(create_runner("ort-cpu", shared_artifact), SHARED_CONFIG.max_positions)
+    oracle = CachedLM(create_runner("eager-f64", shared_artifact), SHARED_CONFIG.max_positions)
+    assert ours.shared and not oracle.shared
+    prompt = np.random.default_rng(2).integers(0, SHARED_CONFIG.vocab_size, (2, 5))
+    out = feed_both({"ours": ours, "oracle": oracle}, prompt)
+    capacities = [ours.capacity]
+    np.testing.assert_allclose(out["ours"], out["oracle"], rtol=0, atol=1e-4)
+    for _ in range(SHARED_CONFIG.max_positions - prompt.shape[1]):  # to the last position
+        before = {name: value.data_ptr() for name, value in ours.buffers.items()}
+        grows = ours.length + 1 > ours.capacity
+        token = out["oracle"][:, -1:].argmax(-1).astype(np.int64)
+        out = feed_both({"ours": ours, "oracle": oracle}, token)
+        np.testing.assert_allclose(out["ours"], out["oracle"], rtol=0, atol=1e-4, err_msg=f"position {ours.length}")
+        # The present outputs are the past buffers themselves; between growths they never move.
+        assert all(ours.cache[name].data_ptr() == value.data_ptr() for name, value in ours.buffers.items())
+        if not grows:
+            assert {name: value.data_ptr() for name, value in ours.buffers.items()} == before
+        capacities.append(ours.capacity)
+    # No reservation: 5 positions, then doubled when full, capped at max_positions.
+    assert sorted(set(capacities)) == [5, 10, 20, SHARED_CONFIG.max_positions]
+
+
+def test_a_reservation_allocates_once_and_a_new_batch_size_reallocates(shared_artifact):
+    ours = CachedLM(create_runner("ort-cpu", shared_artifact), SHARED_CONFIG.max_positions)
+    oracle = CachedLM(create_runner("eager-f64", shared_artifact), SHARED_CONFIG.max_positions)
+    rng = np.random.default_rng(3)
+    for batch in (1, 3):
+        for lm in (ours, oracle):
+            lm.reset()
+        ours.reserve(4 + 6)
+        out = feed_both({"ours": ours, "oracle": oracle}, rng.integers(0, SHARED_CONFIG.vocab_size, (batch, 4)))
+        first = {name: value.data_ptr() for name, value in ours.buffers.items()}
+        for _ in range(6):
+            token = out["oracle"][:, -1:].argmax(-1).astype(np.int64)
+            out = feed_both({"ours": ours, "oracle": oracle}, token)
+            np.testing.assert_allclose(out["ours"], out["oracle"], rtol=0, atol=1e-4)
+        assert ours.capacity == 10 and ours.buffers[ours.cache_names[0]].shape()[0] == batch
+        assert {name: value.data_ptr() for name, value in ours.buffers.items()} == first
+
+
+def test_generate_reserves_the_whole_generation(shared_artifact):
+    lm = CachedLM(create_runner("ort-cpu", shared_artifact), SHARED_CONFIG.max_positions)
+    generate(lm, [1, 2, 3], max_new_tokens=9)
+    assert lm.capacity == 3 + 9
+
+
+@pytest.mark.parametrize("lowering", ["functions", "standard"])
+def test_concatenating_graphs_keep_a_per_step_cache(tmp_path, lowering):
+    config = SHARED_CONFIG
+    artifact = export_model(build_model("llama", config, seed=11), "llama", config, tmp_path / "a",
+                            variant="serving", lowering=lowering)
+    assert "kv_cache" not in artifact.graphs[0].entry
+    lm = CachedLM(create_runner("ort-cpu", artifact), config.max_positions)
+    lm.step(np.zeros((1, 3), dtype=np.int64))
+    assert not lm.shared and lm.capacity == 0
+    assert [v.shape()[2] for v in lm.cache.values()] == [3] * len(lm.cache_names)
+
+
+@pytest.mark.parametrize("backend", ["ort-cpu", "eager"])
+def test_a_step_with_another_batch_size_is_refused_until_reset(shared_artifact, backend):
+    lm = CachedLM(create_runner(backend, shared_artifact), SHARED_CONFIG.max_positions)
+    lm.step(np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(InputError, match=r"expected shape \(2, new tokens\) after 3 cached positions of 2 row\(s\), "
+                                         r"got \(1, 1\); reset\(\) to start over"):
+        lm.step(np.zeros((1, 1), dtype=np.int64))
+    lm.reset()
+    assert lm.step(np.zeros((1, 1), dtype=np.int64)).shape == (1, 1, SHARED_CONFIG.vocab_size)
