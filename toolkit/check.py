@@ -183,6 +183,16 @@ def cross_check(
         raise ConfigError("--decode-steps needs a KV-cache artifact; export a language model with --variant serving")
     for name in backends:
         check_backend(name, artifact_dtype(artifact))  # fail on a typo before any model is built
+    from toolkit.quantize import INT8_ACTIVATIONS_LEVEL
+
+    level = (artifact.manifest.get("quantization") or {}).get("accuracy_level")
+    if isinstance(level, int) and level >= INT8_ACTIVATIONS_LEVEL and tolerances is None:
+        # The oracle applies the dequantized weights to float activations; this graph rounds the
+        # activations to int8 first, so the default float tolerances would fail it on every run.
+        raise ConfigError(f"{artifact.location}: quantized at --accuracy-level {level}, which rounds activations "
+                          "to int8 inside MatMulNBits, so its outputs are not comparable with the float64 oracle at "
+                          "float tolerances; check the same quantization made with --accuracy-level 0, or give "
+                          "--tolerances with the error you accept")
     if inputs is None:
         inputs, source = default_inputs(artifact, batch, sequence, seed)
     else:

@@ -44,6 +44,7 @@ ALGORITHMS = ("rtn", "hqq")
 BLOCK_SIZES = (32, 64, 128)
 # ONNX Runtime's MatMulNBits attribute: 0 = unset (float32 activations), 4 = int8 activations (faster on CPU).
 ACCURACY_LEVELS = (0, 1, 4)
+INT8_ACTIVATIONS_LEVEL = 4  # MatMulNBits rounds its input to int8 per block from this level on
 FLOAT_TYPES = (1, 10, 16)  # TensorProto FLOAT, FLOAT16, BFLOAT16
 HEAD = "lm_head.weight"  # the vocabulary projection in every decoder family (models/llama.py, models/gpt.py)
 

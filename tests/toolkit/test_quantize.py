@@ -312,3 +312,19 @@ def test_interrupted_quantization_leaves_previous_artifact_intact(source, quanti
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["int8"]  # no scratch or temporary directories left
     assert load_artifact(target).manifest["quantization"]["bits"] == 8
+
+
+def test_check_refuses_int8_activations_without_explicit_tolerances(source, tmp_path):
+    target = tmp_path / "acc4"
+    result = invoke("quantize", source.directory, "--bits", 4, "--accuracy-level", 4, "--out", target)
+    assert result.exit_code == 0, result.output
+    result = invoke("check", target, "--backends", "eager,ort-cpu")
+    assert result.exit_code == 2
+    assert (f"Error: {target}: quantized at --accuracy-level 4, which rounds activations to int8" in result.output
+            and "--tolerances" in result.output and "Traceback" not in result.output)
+    # With the error the user accepts written down, the check runs and judges.
+    loose = tmp_path / "loose.toml"
+    loose.write_text("[float32]\natol = 1.0\nrtol = 1.0\n")
+    result = invoke("check", target, "--backends", "eager,ort-cpu", "--tolerances", loose)
+    assert result.exit_code == 0, result.output
+    assert "RESULT: PASS" in result.output
