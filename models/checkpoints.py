@@ -6,9 +6,11 @@ against the config: the first missing, unexpected or mis-shaped tensor is named.
 
 Files are hostile until checked: the safetensors header and the GGUF header are
 walked here against the file size (lengths, counts, shapes x dtypes vs byte
-spans, offsets, overlaps) before the `safetensors`/`gguf` libraries parse them,
-so no allocation or loop is sized by an unchecked header field; their own
-exceptions become ModelFileError naming the file.
+spans, offsets, overlaps) before the `safetensors` library parses the one or
+any GGUF tensor is mapped, so no allocation or loop is sized by an unchecked
+header field; library exceptions become ModelFileError naming the file. The
+GGUF walk also reads the metadata (values as gguf.GGUFReader gives them) and
+the `gguf` library dequantizes the tensors.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS in ggml.h
 # GGUF metadata value types -> bytes per scalar (gguf.GGUFValueType; 8 = string, 9 = array).
 GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 GGUF_STRING, GGUF_ARRAY = 8, 9
+# The numpy dtypes gguf.GGUFReader reads those scalars as (little-endian files only).
+GGUF_SCALAR_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
+                      11: "<i8", 12: "<f8"}
+# Tensor types gguf.GGUFReader views as typed arrays; every other type is viewed as bytes per row.
+GGUF_PLAIN_TYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
 
 @dataclass
@@ -341,19 +348,8 @@ def _load(family: str, config, state: dict, where) -> torch.nn.Module:
 
 
 def import_gguf(path: Path) -> ImportedCheckpoint:
-    import gguf
-
-    check_gguf_header(path)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as exc:
-        raise ModelFileError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-    fields = {}
-    for key, field in reader.fields.items():
-        try:
-            fields[key] = field.contents()
-        except (ValueError, IndexError, TypeError, UnicodeDecodeError):
-            continue
+    header = check_gguf_header(path)
+    fields, tensors_by_name = header.fields, header.tensors
     arch = fields.get("general.architecture")
     if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ModelFileError(f"{path}: GGUF architecture {arch!r:.60} is not supported; supported: "
@@ -369,7 +365,6 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
                                  f"{'a finite number' if kind is float else 'an integer'}")
         return kind(value)
 
-    tensors_by_name = {t.name: t for t in reader.tensors}
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     factor = fields.get(f"{arch}.rope.scaling.factor", 1.0)
     if scaling not in ("none", None) or factor not in (0, 1, 1.0) or "rope_freqs.weight" in tensors_by_name:
@@ -429,13 +424,34 @@ def _gguf_tokenizer(fields: dict, vocab_size: int, path: Path) -> TextTokenizer:
         raise ModelFileError(f"{path}: the GGUF tokenizer metadata does not build a tokenizer ({exc})") from None
 
 
-def check_gguf_header(path: Path) -> None:
-    """Walk a GGUF header against the file size before gguf.GGUFReader parses it.
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file: its type, its shape in torch order and a read-only view of its bytes."""
 
-    GGUFReader sizes its loops by header counts and reads past the end as empty arrays, so a lying
-    count can make it spin or grow lists without bound; here every count and length is checked
-    against the bytes that remain, every tensor's byte span (dims x type) against the data
-    section, and spans against each other. Little-endian GGUF v2/v3 only.
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF lists the fastest-varying axis first; this is reversed to torch's order
+    data: np.ndarray  # as gguf.GGUFReader lays it out: typed for plain types, (..., bytes per row) for blocks
+
+
+@dataclass
+class GGUFHeader:
+    """What check_gguf_header read: metadata values and tensor views, in file order."""
+
+    fields: dict  # key -> value as gguf's ReaderField.contents() gives it; values that are not UTF-8 left out
+    tensors: dict[str, GGUFTensor]
+
+
+def check_gguf_header(path: Path) -> GGUFHeader:
+    """Walk a GGUF header against the file size, then read its metadata and map its tensors.
+
+    A lying count could make a naive reader spin or grow lists without bound, so every count and
+    length is checked against the bytes that remain before it sizes a loop or an allocation,
+    every tensor's byte span (dims x type) against the data section, and spans against each other;
+    only then are the tensors mapped (numpy views of the file, nothing read yet).
+    Values come out as gguf.GGUFReader's `contents()` gives them; this walk replaces the reader,
+    which builds numpy objects for every token of a 49k-entry vocabulary (seconds per import).
+    Little-endian GGUF v2/v3 only.
     """
     import gguf
 
@@ -456,29 +472,50 @@ def check_gguf_header(path: Path) -> None:
             length = read("<Q", offset, f"{what} length")
             if offset + 8 + length > size:
                 fail(f"truncated: {what} of {length:,} bytes at byte {offset} runs past the end of the file")
-            return offset + 8 + length, bytes(data[offset + 8:offset + 8 + length])
+            return offset + 8 + length, data[offset + 8:offset + 8 + length]
 
-        def value(offset, kind, what, depth=0):
+        def strings(offset, count, what):
+            # The tokenizer's vocabulary and merges: ~10^5 strings, so the lengths are unpacked inline.
+            unpack, items = struct.Struct("<Q").unpack_from, []
+            for i in range(count):
+                if offset + 8 > size:
+                    read("<Q", offset, f"{what}[{i}] length")
+                (length,) = unpack(data, offset)
+                start, offset = offset + 8, offset + 8 + length
+                if offset > size:
+                    fail(f"truncated: {what}[{i}] of {length:,} bytes at byte {start - 8} runs past the end of the file")
+                items.append(data[start:offset])
+            return offset, items
+
+        def scalars(offset, kind, count):
+            raw = data[offset:offset + count * GGUF_SCALAR_SIZES[kind]]
+            return np.frombuffer(raw, dtype=GGUF_SCALAR_DTYPES[kind], count=count).tolist()
+
+        def value(offset, kind, what):
+            """(offset after the value, the value or None where gguf's contents() would fail: not UTF-8)."""
             if kind in GGUF_SCALAR_SIZES:
                 if offset + GGUF_SCALAR_SIZES[kind] > size:
                     fail(f"truncated: {what} at byte {offset}")
-                return offset + GGUF_SCALAR_SIZES[kind]
+                return offset + GGUF_SCALAR_SIZES[kind], scalars(offset, kind, 1)[0]
             if kind == GGUF_STRING:
-                return string(offset, what)[0]
-            if kind == GGUF_ARRAY and depth == 0:
+                offset, raw = string(offset, what)
+                return offset, _utf8(raw)
+            if kind == GGUF_ARRAY:
                 item, count = read("<I", offset, f"{what} item type"), read("<Q", offset + 4, f"{what} count")
                 offset += 12
                 if item in GGUF_SCALAR_SIZES:
                     if offset + count * GGUF_SCALAR_SIZES[item] > size:
                         fail(f"{what}: {count:,} items of {GGUF_SCALAR_SIZES[item]} bytes run past the end of the file")
-                    return offset + count * GGUF_SCALAR_SIZES[item]
+                    return offset + count * GGUF_SCALAR_SIZES[item], scalars(offset, item, count)
                 if item != GGUF_STRING:
                     fail(f"{what}: array item type {item} is not supported")
                 if offset + count * 8 > size:  # every string takes at least its 8-byte length
                     fail(f"{what}: {count:,} strings cannot fit in the rest of the file")
-                for i in range(count):
-                    offset = string(offset, f"{what}[{i}]")[0]
-                return offset
+                offset, items = strings(offset, count, what)
+                try:
+                    return offset, [raw.decode("utf-8") for raw in items]
+                except UnicodeDecodeError:
+                    return offset, None
             fail(f"{what}: value type {kind} is not supported")
 
         if bytes(data[:4]) != b"GGUF":
@@ -491,20 +528,37 @@ def check_gguf_header(path: Path) -> None:
         offset, alignment = fixed, gguf.GGUF_DEFAULT_ALIGNMENT
         if n_fields * 13 > size or n_tensors * 24 > size:  # smallest metadata entry / tensor entry in bytes
             fail(f"header counts ({n_tensors:,} tensors, {n_fields:,} metadata entries) cannot fit in {size:,} bytes")
+        # gguf.GGUFReader lists the header's own fields under these names; a metadata key may not reuse them.
+        fields = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_fields}
+        keys = set(fields)
         for i in range(n_fields):
-            offset, key = string(offset, f"metadata key #{i}")
+            offset, raw_key = string(offset, f"metadata key #{i}")
+            key = _utf8(raw_key)
+            if key is None:
+                fail(f"metadata key #{i} {raw_key!r:.60} is not UTF-8")
+            if key in keys:
+                fail(f"metadata key {key!r:.60} appears twice")
+            keys.add(key)
             kind = read("<I", offset, f"metadata {key!r:.60} type")
-            if key == b"general.alignment":
+            if key == "general.alignment":
                 if kind != 4:
                     fail("general.alignment is not a uint32")
                 alignment = read("<I", offset + 4, "general.alignment")
                 if alignment == 0 or alignment & (alignment - 1):
                     fail(f"general.alignment {alignment} is not a power of two")
-            offset = value(offset + 4, kind, f"metadata {key.decode('utf-8', 'replace')!r:.60}")
-        infos = []
+            offset, decoded = value(offset + 4, kind, f"metadata {key!r:.60}")
+            if decoded is not None:
+                fields[key] = decoded
+        infos, names = [], set()
         for i in range(n_tensors):
-            offset, name = string(offset, f"tensor #{i} name")
-            label = f"tensor {name.decode('utf-8', 'replace')!r:.80}"
+            offset, raw_name = string(offset, f"tensor #{i} name")
+            name = _utf8(raw_name)
+            if name is None:
+                fail(f"tensor #{i} name {raw_name!r:.60} is not UTF-8")
+            label = f"tensor {name!r:.80}"
+            if name in names:
+                fail(f"{label} appears twice")
+            names.add(name)
             n_dims = read("<I", offset, f"{label} rank")
             if not 1 <= n_dims <= GGUF_MAX_DIMS:
                 fail(f"{label} has rank {n_dims}; GGUF allows 1..{GGUF_MAX_DIMS}")
@@ -513,40 +567,67 @@ def check_gguf_header(path: Path) -> None:
             kind, start = read("<I", offset, f"{label} type"), read("<Q", offset + 4, f"{label} offset")
             offset += 12
             try:
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+                tensor_type = gguf.GGMLQuantizationType(kind)
+                block, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
             except (ValueError, KeyError):
                 fail(f"{label} has unknown tensor type {kind}")
             elements = math.prod(dims)
             if elements % block or (dims[0] % block):
                 fail(f"{label} shape {tuple(reversed(dims))} is not a whole number of {block}-value blocks")
-            infos.append((start, start + elements // block * type_size, label, tuple(reversed(dims))))
-        data_start = -(-offset // alignment) * alignment
-        data_size = size - data_start
-        infos.sort()
-        for start, end, label, shape in infos:
-            if start % alignment:
-                fail(f"{label} data offset {start} is not a multiple of the alignment {alignment}")
-            if end > data_size:
-                fail(f"truncated or lying header: {label} {shape} needs bytes [{start:,}, {end:,}) of a "
-                     f"{max(data_size, 0):,}-byte data section")
-        for (_, end_a, a, _), (start_b, _, b, _) in zip(infos, infos[1:]):
-            if start_b < end_a:
-                fail(f"{a} and {b} overlap (data bytes {start_b:,} to {end_a:,})")
+            infos.append((start, start + elements // block * type_size, label, tuple(reversed(dims)), name, tensor_type))
+    data_start = -(-offset // alignment) * alignment
+    data_size = size - data_start
+    for start, end, label, shape, _, _ in sorted(infos):
+        if start % alignment:
+            fail(f"{label} data offset {start} is not a multiple of the alignment {alignment}")
+        if end > data_size:
+            fail(f"truncated or lying header: {label} {shape} needs bytes [{start:,}, {end:,}) of a "
+                 f"{max(data_size, 0):,}-byte data section")
+    spans = sorted(infos)
+    for (_, end_a, a, *_), (start_b, _, b, *_) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            fail(f"{a} and {b} overlap (data bytes {start_b:,} to {end_a:,})")
+    tensors = {}
+    if infos:
+        # Every span is now inside the file: map it once, views per tensor (nothing is read until used).
+        try:
+            mapped = np.memmap(path, mode="r")
+        except (OSError, ValueError) as exc:
+            fail(f"cannot map the tensor data: {exc}")
+        if mapped.size != size:
+            fail(f"the file changed size while it was read ({size:,} then {mapped.size:,} bytes)")
+        for start, end, _, shape, name, tensor_type in infos:
+            view = mapped[data_start + start:data_start + end]
+            plain = GGUF_PLAIN_TYPES.get(tensor_type.name)
+            if plain is not None:
+                view = view.view(plain).reshape(shape)
+            else:
+                view = view.reshape(gguf.quants.quant_shape_to_byte_shape(shape, tensor_type))
+            tensors[name] = GGUFTensor(name, tensor_type, shape, view)
+    return GGUFHeader(fields, tensors)
 
 
-def _dequantize(tensor, path: Path) -> torch.Tensor:
+def _utf8(raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
     import gguf
 
     kind = tensor.tensor_type.name
     if kind not in GGUF_TENSOR_TYPES:
         raise ModelFileError(f"{path}: tensor {tensor.name!r} has type {kind}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest-varying axis first
     try:
-        values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        array = np.asarray(values, dtype=np.float32).reshape(shape)
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = np.asarray(values, dtype=np.float32).reshape(tensor.shape)
     except (ValueError, IndexError) as exc:
-        raise ModelFileError(f"{path}: tensor {tensor.name!r} data does not match its shape {shape} ({exc})") from None
-    return torch.from_numpy(array.copy())
+        raise ModelFileError(f"{path}: tensor {tensor.name!r} data does not match its shape {tensor.shape} ({exc})") from None
+    if not array.flags.writeable:  # a view of the file (F32): torch needs memory of its own
+        array = array.copy()
+    return torch.from_numpy(array)
 
 
 def _gguf_names(c: DecoderConfig, lazy: dict, where) -> dict:
