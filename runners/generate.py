@@ -53,6 +53,11 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> int:
         s = self.sampling
         logits = np.asarray(logits, dtype=np.float64)
+        if not np.isfinite(logits).all():  # arg-max would silently pick the first NaN
+            bad = int(np.flatnonzero(~np.isfinite(logits))[0])
+            raise InputError(f"logits: the model produced {int((~np.isfinite(logits)).sum())} non-finite value(s), "
+                             f"first at token {bad}; check the artifact with `toolkit check` (the cache or weights "
+                             "may overflow its dtype)")
         if s.temperature == 0:
             return int(np.argmax(logits))
         scaled = logits / s.temperature
@@ -126,7 +131,8 @@ class CachedLM:
         if self.session is not None:
             logits = self._step_bound(ids)
         else:
-            outputs = self.runner.run({"input_ids": ids, **self._extras(ids), **self.cache})
+            trusted = tuple(self.cache_names) if self.length else ()  # our own cache from the last step
+            outputs = self.runner.run({"input_ids": ids, **self._extras(ids), **self.cache}, trusted=trusted)
             self.cache = {name: outputs[name.replace("past.", "present.")] for name in self.cache_names}
             logits = outputs["logits"]
         self.length += ids.shape[1]

@@ -147,3 +147,19 @@ def test_non_finite_report_counts_every_bad_value_and_names_the_first():
     x[0, 1, 2], x[0, 1, 3], x[0, 0, 1] = np.nan, np.inf, -np.inf  # first in C order: (0, 0, 1)
     with pytest.raises(InputError, match=r"'hidden_states': 3 non-finite value\(s\) \(NaN/Inf\), first at index \(0, 0, 1\)"):
         check_feed(HIDDEN, {"hidden_states": x})
+
+
+def test_trusted_inputs_skip_only_the_value_scan():
+    """A decode loop's own cache is not rescanned each step, but its name, dtype and shape still are."""
+    x = hidden()
+    x[0, 0, 0] = np.nan
+    assert check_feed(HIDDEN, {"hidden_states": x}, trusted=("hidden_states",))["hidden_states"] is x
+    with pytest.raises(InputError, match="non-finite"):
+        check_feed(HIDDEN, {"hidden_states": x}, trusted=("other",))
+    with pytest.raises(InputError, match="expected dtype float32, got float64"):
+        check_feed(HIDDEN, {"hidden_states": x.astype(np.float64)}, trusted=("hidden_states",))
+    with pytest.raises(InputError, match="expected rank 3"):
+        check_feed(HIDDEN, {"hidden_states": x[0]}, trusted=("hidden_states",))
+    spy = SpyRunner(HIDDEN)
+    spy.run({"hidden_states": x}, trusted=("hidden_states",))
+    assert spy.calls[0]["hidden_states"] is x

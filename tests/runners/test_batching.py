@@ -199,9 +199,11 @@ class Recorder:
         self.input_specs = runner.input_specs
         self.engine = None
         self.calls = []
+        self.trusted = []  # what each call declared as the runner's own cache
 
-    def run(self, feed):
-        outputs = self.runner.run(feed)
+    def run(self, feed, trusted=()):
+        self.trusted.append(tuple(trusted))
+        outputs = self.runner.run(feed, trusted)
         histories = [list(r.request.prompt_ids) + list(r.request.tokens) for r in self.engine.rows]
         self.calls.append(({k: np.array(v) for k, v in feed.items()}, {k: np.array(v) for k, v in outputs.items()},
                            histories))
@@ -381,6 +383,11 @@ def test_batched_logits_match_float64_eager(make_engine, engine_runner, model64,
     assert {f["input_ids"].shape[0] for f, _, _ in decode} >= {1, 2, 3}  # rows joined and left
     trimmed = any(b[0]["past_mask"].shape[1] < a[0]["past_mask"].shape[1] + 1 for a, b in zip(decode, decode[1:]))
     assert trimmed, "a retiring row should have trimmed padding columns"
+    # Prefills (empty cache) are fully scanned; decode steps hand back the engine's own cache as trusted.
+    caches = tuple(sorted(k for k in recorder.calls[0][0] if k.startswith("past.")))
+    for (feed, _, _), trusted in zip(recorder.calls, recorder.trusted):
+        assert tuple(sorted(trusted)) == (caches if feed["past_mask"].shape[1] > 0 and
+                                          feed["input_ids"].shape[1] == 1 else ())
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # hundreds of tiny forwards: thread hand-offs would cost more than the math

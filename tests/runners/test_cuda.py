@@ -112,8 +112,8 @@ class FakeGpuRunner:
         self.device = "CUDAExecutionProvider (device 0, tf32 off)"
         self.last_inference_time = None
 
-    def run(self, feed):
-        out = self.inner.run(feed)
+    def run(self, feed, trusted=()):
+        out = self.inner.run(feed, trusted)
         self.last_inference_time = self.inner.last_inference_time
         return out
 

@@ -324,3 +324,26 @@ def test_a_step_with_another_batch_size_is_refused_until_reset(shared_artifact, 
         lm.step(np.zeros((1, 1), dtype=np.int64))
     lm.reset()
     assert lm.step(np.zeros((1, 1), dtype=np.int64)).shape == (1, 1, SHARED_CONFIG.vocab_size)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=0)])
+def test_non_finite_logits_are_an_error_not_token_zero(sampling):
+    logits = np.array([0.5, 2.0, np.nan, 1.0])
+    with pytest.raises(InputError, match=r"logits: the model produced 1 non-finite value\(s\), first at token 2"):
+        Sampler(sampling)(logits)
+
+
+def test_decode_steps_hand_back_the_cache_as_trusted(shared_artifact):
+    """The per-step cache (the runner's own output) is not rescanned for NaN on every token."""
+    runner = create_runner("eager", shared_artifact)
+    seen = []
+    original = runner.run
+
+    def spy(inputs, trusted=()):
+        seen.append(tuple(trusted))
+        return original(inputs, trusted)
+
+    runner.run = spy
+    lm = CachedLM(runner, SHARED_CONFIG.max_positions)
+    generate(lm, [1, 2, 3], max_new_tokens=3)
+    assert seen[0] == () and all(t == tuple(lm.cache_names) for t in seen[1:]) and len(seen) == 3
