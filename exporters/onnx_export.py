@@ -98,11 +98,14 @@ def export_model(
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
         inputs, names, run = graph.variant(variant)
-        proto = _trace_one_block(model, family, config, graph.name, variant, inputs, names)
-        traced_blocks = 1
-        if proto is None:
+        replicated = _trace_one_block(model, family, config, graph.name, variant, inputs, names)
+        if replicated is None:
             proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
-            traced_blocks = getattr(config, "layers", 1)
+            traced_blocks, weights = getattr(config, "layers", 1), _weight_map(model, proto)
+        else:
+            (proto, weights), traced_blocks = replicated, 1
+            if any(name not in weights for name in model.state_dict()):  # e.g. a buffer held as an initializer
+                weights = {**_weight_map(model, proto), **weights}
         graph_used = {n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN}
         proto.functions.extend(function_protos(graph_used))
         if not any(o.domain == CUSTOM_DOMAIN for o in proto.opset_import):
@@ -117,7 +120,7 @@ def export_model(
             "stages": list(names),
             "custom_ops": sorted(graph_used),
             "traced_blocks": traced_blocks,
-            "weights": _weight_map(model, proto),
+            "weights": weights,
         })
     if lowering != lowerings.DEFAULT_LOWERING:
         used = _lower(model, family, config, lowering, protos, entries)
@@ -153,13 +156,13 @@ def export_model(
             _check_and_infer(proto)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
             raise ExportError(f"exported {entry['name']} graph failed the ONNX checker: {exc}") from None
-        data = proto.SerializeToString()
+        data = artifacts.serialize_model(proto)
         entry["sha256"] = artifacts.sha256_bytes(data)
         files[entry["file"]] = data
+        del data
     files.update(extra_files or {})
     files[artifacts.MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-    artifacts.write_artifact(Path(out_dir), files, verify=artifacts.load_artifact)
-    return artifacts.load_artifact(out_dir)
+    return artifacts.write_and_load(Path(out_dir), files)
 
 
 def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.ModelProto:
@@ -190,7 +193,8 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
     # torch.onnx narrates its steps on stdout and logs optional-dependency notices; users see our summary instead.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
+                _no_fake_tensor_cache():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 wrapper,
@@ -208,6 +212,20 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
     return program.model_proto
 
 
+@contextlib.contextmanager
+def _no_fake_tensor_cache():
+    """torch.export's fake-tensor dispatch cache, off for the trace: one export sees each op a few
+    times, so keying and storing every symbolic-shape result costs more than the hits save (about
+    2 of the 8 s of a first trace of a decoder block on 2 cores). The traced graph is the same."""
+    import torch._dynamo.config
+
+    if not hasattr(torch._dynamo.config, "fake_tensor_cache_enabled"):
+        yield
+        return
+    with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+        yield
+
+
 def _check_and_infer(proto: onnx.ModelProto) -> None:
     """Full ONNX checker and strict shape inference, with the inferred types written into `proto`;
     both run on the weightless copy (artifacts.weightless), which is all they read."""
@@ -221,15 +239,15 @@ def _check_and_infer(proto: onnx.ModelProto) -> None:
 
 
 def _trace_one_block(model, family: str, config, graph_name: str, variant: str, inputs, names):
-    """The graph traced from a one-block copy and replicated (exporters.replicate), or None when the
-    family or the traced graph does not allow it; the caller then traces the whole model."""
+    """(graph, weight map) traced from a one-block copy and replicated (exporters.replicate), or None
+    when the family or the traced graph does not allow it; the caller then traces the whole model."""
     if not replicate.replicable(family, config):
         return None
     small_config, small = replicate.one_block_model(model, family, config)
     (small_graph,) = [g for g in get_family(family).graphs(small_config) if g.name == graph_name]
     small_inputs, small_names, small_run = small_graph.variant(variant)
     proto = _trace(_NamedOutputs(small, small_run, small_names), small_config, graph_name, small_inputs, small_names)
-    return replicate.replicate(model, small, proto, config, [s.name for s in inputs], list(names))
+    return replicate.replicate_with_weights(model, small, proto, config, [s.name for s in inputs], list(names))
 
 
 def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict]) -> set[str]:

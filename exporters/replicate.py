@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from toolkit.artifacts import array_digest
+from toolkit.artifacts import array_digest, weightless
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 BLOCK_LIST = "block"  # the ModuleList attribute holding the blocks of every stacked family
@@ -64,20 +64,24 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
 def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, tuple[str, bool]] | None:
     """{initializer: (parameter name, transposed)} for initializers holding a parameter; None if an
     initializer looks derived from a parameter some other way (it could not be refilled)."""
+    arrays = [(init.name, numpy_helper.to_array(init)) for init in proto.graph.initializer]
+    # A digest can only match an initializer of the same dtype and shape; the others (the transposed
+    # copy of a 49k-row embedding, say) are not hashed at all.
+    kinds = {(array.dtype.str, array.shape) for _, array in arrays}
     by_digest = {}
     for name, param in small.named_parameters(remove_duplicate=False):
         array = param.detach().numpy()
-        by_digest.setdefault(array_digest(array), (name, False))
-        if array.ndim == 2:
+        if (array.dtype.str, array.shape) in kinds:
+            by_digest.setdefault(array_digest(array), (name, False))
+        if array.ndim == 2 and (array.dtype.str, array.shape[::-1]) in kinds:
             by_digest.setdefault(array_digest(array.T), (name, True))
     buffers = {array_digest(b.detach().numpy()) for b in small.buffers()}
     shapes = {tuple(p.shape) for p in small.parameters()} | {tuple(p.shape)[::-1] for p in small.parameters()}
     sources = {}
-    for init in proto.graph.initializer:
-        array = numpy_helper.to_array(init)
+    for name, array in arrays:
         key = array_digest(array)
         if key in by_digest:
-            sources[init.name] = by_digest[key]
+            sources[name] = by_digest[key]
         elif key not in buffers and array.dtype.kind == "f" and (
                 array.size >= small.config.width or tuple(array.shape) in shapes):
             return None  # a weight-sized constant we cannot trace back: maybe a folded weight
@@ -109,6 +113,18 @@ def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config
     input_names / output_names: the full model's graph inputs and outputs in order.
     Returns None when the traced graph does not have the shape this rewrite relies on.
     """
+    replicated = replicate_with_weights(model, small, proto, config, input_names, output_names)
+    return None if replicated is None else replicated[0]
+
+
+def replicate_with_weights(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config,
+                           input_names: list[str], output_names: list[str]) -> tuple[onnx.ModelProto, dict] | None:
+    """replicate(), plus where each parameter of `model` was written: {name: {"initializer", "transpose"}}.
+
+    The map is what onnx_export's byte search would find, known here without hashing the weights
+    again: an initializer holding the weight as stored before one holding it transposed, the first
+    of each in graph order; tied names share their weight's entry. Parameters written nowhere are absent.
+    """
     sources = _initializer_sources(small, proto)
     if sources is None:
         return None
@@ -126,7 +142,7 @@ def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config
         return None
     (block_output,) = leaving
 
-    inferred = onnx.shape_inference.infer_shapes(proto)
+    inferred = onnx.shape_inference.infer_shapes(weightless(proto))  # types only: no weight bytes needed
     types = {v.name: v.type for v in (*inferred.graph.value_info, *graph.input, *graph.output)}
     graph_inputs = {v.name for v in graph.input}
     initializers = {t.name for t in graph.initializer}
@@ -152,11 +168,9 @@ def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config
     real = dict(model.named_parameters(remove_duplicate=False))
     weights_of_block0 = {init: src for init, src in sources.items() if src[0].startswith(f"{BLOCK_LIST}.0.")}
 
-    def weight(param: str, transposed: bool, name: str) -> onnx.TensorProto:
-        array = real[param].detach().to(torch.float32).numpy()
-        return numpy_helper.from_array(np.ascontiguousarray(array.T if transposed else array), name)
-
-    new_inits = [weight(*sources[t.name], t.name) if t.name in sources else t for t in graph.initializer]
+    # Initializers in order: the traced ones (weights refilled from `model`), then each block's copies.
+    # A plan entry is a TensorProto kept as traced, or (name, parameter, transposed) filled in at the end.
+    plan = [(t.name, *sources[t.name]) if t.name in sources else t for t in graph.initializer]
     copies, last_output = [], block_output
     for i in range(1, config.layers):
         renamed = {hidden_input: last_output}
@@ -164,7 +178,7 @@ def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config
             target = _layer_name(init.removeprefix("model."), i)
             new_name = f"model.{target}" if target and init.startswith("model.") else f"{init}__{BLOCK_LIST}{i}"
             renamed[init] = new_name
-            new_inits.append(weight(param.replace(f"{BLOCK_LIST}.0.", f"{BLOCK_LIST}.{i}.", 1), transposed, new_name))
+            plan.append((new_name, param.replace(f"{BLOCK_LIST}.0.", f"{BLOCK_LIST}.{i}.", 1), transposed))
         for name in per_block_inputs:
             renamed[name] = _layer_name(name, i)
         for name in produced:
@@ -204,14 +218,42 @@ def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config
     del result.graph.node[:], result.graph.initializer[:], result.graph.value_info[:]
     del result.graph.input[:], result.graph.output[:]
     result.graph.node.extend(nodes)
-    result.graph.initializer.extend(new_inits)
     for names, field in ((input_names, result.graph.input), (output_names, result.graph.output)):
         for name in names:
             info = value_info(name)
             if info is None:
                 return None
             field.append(info)
-    return result
+    placed = []
+    for entry in plan:
+        if isinstance(entry, onnx.TensorProto):
+            result.graph.initializer.add().CopyFrom(entry)
+            continue
+        # Filled in place: the model's weights are hundreds of MB, so they are copied once, not per step.
+        name, param, transposed = entry
+        array = real[param].detach().to(torch.float32).numpy()
+        array = np.ascontiguousarray(array.T if transposed else array)
+        tensor = result.graph.initializer.add()
+        tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
+        tensor.dims.extend(array.shape)
+        tensor.raw_data = array.astype("<f4", copy=False).tobytes()
+        placed.append((name, param, transposed))
+    return result, _weight_entries(model, placed)
+
+
+def _weight_entries(model: nn.Module, placed: list[tuple[str, str, bool]]) -> dict[str, dict]:
+    """{parameter name: {"initializer", "transpose"}} from (initializer, parameter, transposed) in graph order."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stored, transposed = {}, {}
+    for init, param, is_transposed in placed:
+        (transposed if is_transposed else stored).setdefault(id(params[param]), init)
+    weights = {}
+    for name, param in params.items():  # every name of a tied parameter, as state_dict lists them
+        if id(param) in stored:
+            weights[name] = {"initializer": stored[id(param)], "transpose": False}
+        elif id(param) in transposed:
+            weights[name] = {"initializer": transposed[id(param)], "transpose": True}
+    return weights
 
 
 def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto] | None:

@@ -118,6 +118,58 @@ def array_digest(array) -> tuple:
     return array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
 
 
+def serialize_model(model: onnx.ModelProto) -> bytes:
+    """model.SerializeToString(), assembled from parts.
+
+    protobuf (upb) serialises a model holding hundreds of MB of initializers in seconds, several
+    times slower than the same bytes serialised one initializer at a time. Fields go out in
+    field-number order, as protobuf writes them, so the bytes are the same.
+    """
+    graph_field = model.DESCRIPTOR.fields_by_name["graph"]
+    init_field = model.graph.DESCRIPTOR.fields_by_name["initializer"]
+    head, tail = onnx.ModelProto(), onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field is not graph_field:
+            _copy_field(head if field.number < graph_field.number else tail, field, value)
+    graph_head, graph_tail = onnx.GraphProto(), onnx.GraphProto()
+    for field, value in model.graph.ListFields():
+        if field is not init_field:
+            _copy_field(graph_head if field.number < init_field.number else graph_tail, field, value)
+    init_tag = _varint(init_field.number << 3 | 2)  # wire type 2: length-delimited
+    parts = [graph_head.SerializeToString()]
+    for tensor in model.graph.initializer:
+        data = tensor.SerializeToString()
+        parts += [init_tag, _varint(len(data)), data]
+        del data
+    parts.append(graph_tail.SerializeToString())
+    graph_size = sum(len(part) for part in parts)
+    if model.HasField("graph"):
+        parts[:0] = [head.SerializeToString(), _varint(graph_field.number << 3 | 2), _varint(graph_size)]
+    else:
+        parts = [head.SerializeToString()]
+    parts.append(tail.SerializeToString())
+    return b"".join(parts)
+
+
+def _copy_field(target, field, value) -> None:
+    # protobuf 7 dropped FieldDescriptor.label; older releases may lack is_repeated.
+    if field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED:
+        getattr(target, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -253,6 +305,18 @@ def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> No
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_and_load(out_dir: Path, files: dict[str, bytes]) -> Artifact:
+    """write_artifact verified by load_artifact (every check, hashes included) on the temporary
+    directory; returns that artifact at out_dir. The swap renames the very files that were loaded,
+    so they are not read and checked a second time."""
+    loaded = []
+    write_artifact(out_dir, files, verify=lambda tmp: loaded.append(load_artifact(tmp)))
+    (artifact,) = loaded
+    directory = Path(out_dir)
+    graphs = [GraphArtifact(g.name, directory / g.entry["file"], g.entry) for g in artifact.graphs]
+    return Artifact(directory=directory, manifest=artifact.manifest, graphs=graphs)
+
+
 @contextmanager
 def _write_lock(parent: Path):
     """Serialise writers in one parent directory, so leftovers found under the lock are a dead writer's.
@@ -364,8 +428,8 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
             raise ModelFileError(f"{path}: missing {entry['file']}; re-run `toolkit export`")
         _check_inside(model_path, path)
         _check_size(model_path, model_path.stat().st_size, limit)
-        _check_hash(model_path, entry["sha256"], "the model was modified or corrupted, re-run `toolkit export`")
-        validate_onnx(model_path, max_bytes=limit)
+        # The hash is checked on the bytes validate_onnx reads, before it parses them (one read, not two).
+        validate_onnx(model_path, max_bytes=limit, sha256=entry["sha256"])
         graphs.append(GraphArtifact(entry["name"], model_path, entry))
     for name, digest in manifest["extra_files"].items():
         extra = path / name
@@ -400,8 +464,8 @@ def _load_lone_onnx(path: Path, limit: int) -> Artifact:
     return artifact
 
 
-def _check_hash(path: Path, expected: str, advice: str) -> None:
-    actual = sha256_file(path)
+def _check_hash(path: Path, expected: str, advice: str, data: bytes | None = None) -> None:
+    actual = sha256_file(path) if data is None else sha256_bytes(data)
     if actual != expected:
         raise HashMismatchError(
             f"{path}: sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…; {advice}"
@@ -428,10 +492,10 @@ def load_onnx(path: Path, *, max_bytes: int | None = None):
     return model
 
 
-def validate_onnx(path: Path, *, max_bytes: int | None = None):
+def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | None = None):
     """The checks every ONNX file passes before a runtime sees it; returns the parsed model without its
-    external data. Order: size (from stat), parse, IR version and opsets, external-data locations
-    (and their sizes), the ONNX checker.
+    external data. Order: size (from stat), the sha256 of the bytes read (when the manifest gives
+    one), parse, IR version and opsets, external-data locations (and their sizes), the ONNX checker.
     """
     from google.protobuf.message import DecodeError
 
@@ -444,6 +508,8 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
             data = handle.read(size + 1)
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+    if sha256 is not None:
+        _check_hash(path, sha256, "the model was modified or corrupted, re-run `toolkit export`", data)
     try:
         model = onnx.ModelProto.FromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
@@ -463,10 +529,10 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
     _check_opsets(model, path)
     external = _check_external_data(model, path)
     _check_size(path, size + external, limit, "model with its external data")
-    _check_initializer_sizes(model, path)
+    raw_sizes = _check_initializer_sizes(model, path)
     try:
         # With external data the checker must know the model's directory to find (and confine) the files.
-        onnx.checker.check_model(str(path) if external else weightless(model))
+        onnx.checker.check_model(str(path) if external else weightless(model, raw_sizes=raw_sizes))
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
@@ -474,12 +540,14 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None):
     return model
 
 
-def weightless(model: onnx.ModelProto, threshold: int | None = None) -> onnx.ModelProto:
+def weightless(model: onnx.ModelProto, threshold: int | None = None, raw_sizes: list[int] | None = None) -> onnx.ModelProto:
     """A copy of `model` whose initializers over `threshold` bytes are graph inputs of the same type and shape.
 
     The ONNX checker and shape inference serialise the model they are given, which for a real
     checkpoint is hundreds of MB each time; neither reads weight values, only small shape constants,
     which stay initializers. (_check_initializer_sizes covers what the checker would see of the data.)
+    raw_sizes: len(raw_data) of each initializer, in order, when known (reading it from a parsed
+    model copies the bytes).
     """
     threshold = WEIGHTLESS_BYTES if threshold is None else threshold
     skeleton = onnx.ModelProto()
@@ -492,18 +560,24 @@ def weightless(model: onnx.ModelProto, threshold: int | None = None) -> onnx.Mod
     graph.name = model.graph.name
     for field in ("node", "input", "output", "value_info", "sparse_initializer"):
         getattr(graph, field).extend(getattr(model.graph, field))
-    for tensor in model.graph.initializer:
-        if len(tensor.raw_data) > threshold:
+    if raw_sizes is None:
+        raw_sizes = [len(tensor.raw_data) for tensor in model.graph.initializer]
+    for tensor, raw_size in zip(model.graph.initializer, raw_sizes, strict=True):
+        if raw_size > threshold:
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
         else:
             graph.initializer.append(tensor)
     return skeleton
 
 
-def _check_initializer_sizes(model: onnx.ModelProto, path: Path) -> None:
-    """Raw initializer bytes must be exactly what their dims and dtype say (a header lie otherwise)."""
+def _check_initializer_sizes(model: onnx.ModelProto, path: Path) -> list[int]:
+    """Raw initializer bytes must be exactly what their dims and dtype say (a header lie otherwise).
+    Returns len(raw_data) of each initializer, in order."""
+    raw_sizes = []
     for tensor in model.graph.initializer:
-        if not tensor.raw_data or tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        raw_size = len(tensor.raw_data)
+        raw_sizes.append(raw_size)
+        if not raw_size or tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
             continue
         try:
             bits = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * 8
@@ -518,10 +592,11 @@ def _check_initializer_sizes(model: onnx.ModelProto, path: Path) -> None:
                                         "re-export it")
             count *= dim
         expected = (count * bits + 7) // 8
-        if len(tensor.raw_data) != expected:
+        if raw_size != expected:
             raise CorruptModelError(
-                f"{path}: initializer {tensor.name!r} holds {len(tensor.raw_data)} bytes, its shape "
+                f"{path}: initializer {tensor.name!r} holds {raw_size} bytes, its shape "
                 f"{list(tensor.dims)} and dtype need {expected}; re-export it")
+    return raw_sizes
 
 
 class _NotText(ValueError):
@@ -532,7 +607,7 @@ def _decode_strings(message) -> None:
     """Touch every string field once: protobuf decodes UTF-8 lazily (and may hand proto2 strings back
     as bytes), so an invalid one would otherwise surface wherever a name is first read (a runner, a
     report). Bytes fields (raw tensor data) and numeric arrays are not walked."""
-    for field, value in message.ListFields():
+    for field, value in _set_fields(message):
         # protobuf 7 dropped FieldDescriptor.label; older releases may lack is_repeated.
         repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
         if field.type == field.TYPE_MESSAGE:
@@ -541,6 +616,18 @@ def _decode_strings(message) -> None:
         elif field.type == field.TYPE_STRING:
             if not all(isinstance(v, str) for v in (value if repeated else (value,))):
                 raise _NotText(field.full_name)
+
+
+_TENSOR_TEXT_FIELDS = [f for f in onnx.TensorProto.DESCRIPTOR.fields if f.type in (f.TYPE_STRING, f.TYPE_MESSAGE)]
+
+
+def _set_fields(message):
+    """message.ListFields(), except that a tensor's numeric and bytes fields are left out unread:
+    ListFields() would copy every initializer's bytes out of a parsed model (hundreds of MB).
+    A tensor's unset text fields read as their defaults ("" and empty messages), which pass."""
+    if not isinstance(message, onnx.TensorProto):
+        return message.ListFields()
+    return [(field, getattr(message, field.name)) for field in _TENSOR_TEXT_FIELDS]
 
 
 def _check_opsets(model, path: Path) -> None:

@@ -408,3 +408,21 @@ def test_torch_export_failure_is_one_line_with_root_cause(monkeypatch, tmp_path)
         export_model(spec.build(), spec.family, spec.config, tmp_path / "out")
     assert "\n" not in str(info.value) and "second line" not in str(info.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_trace_is_the_same_without_the_fake_tensor_cache(monkeypatch):
+    """_trace turns torch.export's fake-tensor cache off (it costs more than it saves in one export);
+    the graph must be byte for byte the one traced with the cache."""
+    import contextlib
+
+    spec = get_preset("block-small")  # one block, the smallest graph to trace twice
+    model = spec.build()
+    (graph,) = get_family(spec.family).graphs(spec.config)
+    inputs, names, run = graph.variant("stages")
+
+    def trace():
+        return onnx_export._trace(onnx_export._NamedOutputs(model, run, names), spec.config, graph.name, inputs, names)
+
+    without = trace()
+    monkeypatch.setattr(onnx_export, "_no_fake_tensor_cache", contextlib.nullcontext)
+    assert trace().SerializeToString() == without.SerializeToString()

@@ -53,6 +53,11 @@ def test_replicated_graph_computes_what_the_full_trace_computes(case, tmp_path, 
     # The eager reference is rebuilt from the replicated file's own initializers.
     eager = create_runner("eager", replicated).run(feed)
     np.testing.assert_allclose(eager["logits"], want["logits"], rtol=1e-4, atol=1e-4)
+    # The weight map replicate wrote is the one a byte search of the file finds (tied names included).
+    model = build_model(family, config, seed=3)
+    proto = onnx.load(replicated.graphs[0].model_path)
+    assert replicated.graphs[0].weights == onnx_export._weight_map(model, proto)
+    assert set(replicated.graphs[0].weights) == set(model.state_dict())
 
 
 def test_every_block_gets_its_own_weights(tmp_path):
