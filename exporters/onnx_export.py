@@ -147,7 +147,7 @@ def export_model(
     }
     files = {}
     for entry in entries:
-        proto = protos[entry["name"]]
+        proto = protos.pop(entry["name"])  # dropped once serialised: hundreds of MB the write can reuse
         del proto.metadata_props[:]
         embedded = dict(manifest, graph=entry["name"])
         proto.metadata_props.add(key=artifacts.METADATA_KEY, value=json.dumps(embedded, sort_keys=True))
@@ -159,7 +159,7 @@ def export_model(
         data = artifacts.serialize_model(proto)
         entry["sha256"] = artifacts.sha256_bytes(data)
         files[entry["file"]] = data
-        del data
+        del data, proto
     files.update(extra_files or {})
     files[artifacts.MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
     return artifacts.write_and_load(Path(out_dir), files)

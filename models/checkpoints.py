@@ -49,6 +49,10 @@ GGUF_STRING, GGUF_ARRAY = 8, 9
 GGUF_SCALAR_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
                       11: "<i8", 12: "<f8"}
 # Tensor types gguf.GGUFReader views as typed arrays; every other type is viewed as bytes per row.
+# Row length handed to gguf's dequantizer (16 rows per numpy call): SmolLM2's rows are a few hundred
+# bytes, so calls are mostly overhead; much longer rows measured slower again (their temporaries are
+# fresh memory on every call).
+GGUF_DEQUANTIZE_ROW_BYTES = 2048
 GGUF_PLAIN_TYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
 
@@ -334,13 +338,26 @@ def _gpt2_names(c: GPTConfig, tensors: dict, where) -> dict:
     return _finish(state, tensors, where)
 
 
-def _load(family: str, config, state: dict, where) -> torch.nn.Module:
+def _load(family: str, config, state: dict, where, *, assign: bool = False) -> torch.nn.Module:
+    """The model with `state` loaded (every entry checked for name and shape by load_state_dict).
+
+    assign=True makes the state's tensors the parameters instead of copying them (the caller owns
+    them: fresh, writable float32 memory); tied parameters stay one Parameter.
+    """
     model = build_model(family, config, init=False)  # every weight is loaded next
     expected = set(model.state_dict())
     missing = sorted(expected - set(state))
     if missing:
         raise ModelFileError(f"{where}: no source tensor for {missing[0]!r}")
-    model.load_state_dict({name: state[name] for name in expected})
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    model.load_state_dict({name: state[name] for name in expected}, assign=assign)
+    if assign:  # load_state_dict(assign=True) wraps each name's tensor in a Parameter of its own
+        for first, *others in tied.values():
+            for other in others:
+                owner, _, attr = other.rpartition(".")
+                setattr(model.get_submodule(owner), attr, model.get_parameter(first))
     return model.eval()
 
 
@@ -388,7 +405,7 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
         raise ModelFileError(f"{path}: {exc}") from None
     tensors = {name: (lambda t=t: _dequantize(t, path)) for name, t in tensors_by_name.items()}
     state = _gguf_names(config, tensors, path)
-    model = _load("llama", config, state, path)
+    model = _load("llama", config, state, path, assign=True)  # the dequantized tensors are ours
     tokenizer = _gguf_tokenizer(fields, config.vocab_size, path) if "tokenizer.ggml.tokens" in fields else None
     source = {"format": "gguf", "path": str(path), "architecture": arch}
     return ImportedCheckpoint("llama", config, model, tokenizer, source)
@@ -620,8 +637,18 @@ def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
     kind = tensor.tensor_type.name
     if kind not in GGUF_TENSOR_TYPES:
         raise ModelFileError(f"{path}: tensor {tensor.name!r} has type {kind}; supported: {', '.join(GGUF_TENSOR_TYPES)}")
+    data = tensor.data
+    if kind not in GGUF_PLAIN_TYPES:
+        # A block's values do not depend on where rows end, so rows of whole blocks up to
+        # GGUF_DEQUANTIZE_ROW_BYTES give the same values in fewer numpy calls.
+        _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        blocks = data.size // type_size
+        per_row = max(1, min(blocks, GGUF_DEQUANTIZE_ROW_BYTES // type_size))
+        while blocks % per_row:  # the largest whole number of blocks per row up to that size
+            per_row -= 1
+        data = data.reshape(blocks // per_row, per_row * type_size)
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = gguf.quants.dequantize(data, tensor.tensor_type)
         array = np.asarray(values, dtype=np.float32).reshape(tensor.shape)
     except (ValueError, IndexError) as exc:
         raise ModelFileError(f"{path}: tensor {tensor.name!r} data does not match its shape {tensor.shape} ({exc})") from None

@@ -115,11 +115,13 @@ def array_digest(array) -> tuple:
     """(dtype, shape, sha256 of the C-order bytes): finds a tensor by its value without holding a second copy."""
     import numpy as np
 
-    return array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
+    data = np.ascontiguousarray(array)
+    # hashlib reads a contiguous array's buffer in place (no copy); object arrays have no such buffer.
+    return array.dtype.str, array.shape, hashlib.sha256(data.tobytes() if data.dtype.hasobject else data).digest()
 
 
-def serialize_model(model: onnx.ModelProto) -> bytes:
-    """model.SerializeToString(), assembled from parts.
+def serialize_model(model: onnx.ModelProto) -> bytearray:
+    """The bytes of model.SerializeToString(), assembled from parts into one buffer.
 
     protobuf (upb) serialises a model holding hundreds of MB of initializers in seconds, several
     times slower than the same bytes serialised one initializer at a time. Fields go out in
@@ -135,20 +137,22 @@ def serialize_model(model: onnx.ModelProto) -> bytes:
     for field, value in model.graph.ListFields():
         if field is not init_field:
             _copy_field(graph_head if field.number < init_field.number else graph_tail, field, value)
-    init_tag = _varint(init_field.number << 3 | 2)  # wire type 2: length-delimited
-    parts = [graph_head.SerializeToString()]
-    for tensor in model.graph.initializer:
-        data = tensor.SerializeToString()
-        parts += [init_tag, _varint(len(data)), data]
-        del data
-    parts.append(graph_tail.SerializeToString())
-    graph_size = sum(len(part) for part in parts)
+    out = bytearray(head.SerializeToString())
     if model.HasField("graph"):
-        parts[:0] = [head.SerializeToString(), _varint(graph_field.number << 3 | 2), _varint(graph_size)]
-    else:
-        parts = [head.SerializeToString()]
-    parts.append(tail.SerializeToString())
-    return b"".join(parts)
+        # The graph's length prefix comes first: sum the initializers' sizes without serialising them.
+        sizes = [tensor.ByteSize() for tensor in model.graph.initializer]
+        init_tag = _varint(init_field.number << 3 | 2)  # wire type 2: length-delimited
+        graph_head_bytes, graph_tail_bytes = graph_head.SerializeToString(), graph_tail.SerializeToString()
+        graph_size = len(graph_head_bytes) + len(graph_tail_bytes) + sum(
+            len(init_tag) + len(_varint(size)) + size for size in sizes)
+        out += _varint(graph_field.number << 3 | 2) + _varint(graph_size) + graph_head_bytes
+        for tensor, size in zip(model.graph.initializer, sizes):
+            # One initializer at a time (a few MB), appended to the one buffer (grown in place).
+            out += init_tag + _varint(size)
+            out += tensor.SerializeToString()
+        out += graph_tail_bytes
+    out += tail.SerializeToString()
+    return out
 
 
 def _copy_field(target, field, value) -> None:

@@ -166,3 +166,29 @@ def test_files_the_library_reader_refuses_are_refused_in_one_line(tmp_path, case
     with pytest.raises(ModelFileError, match=r"m\.gguf: not a readable GGUF file \(" + pattern + r"\)$") as info:
         import_checkpoint(path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("row_bytes", [1, 100, None], ids=["one block a row", "a few blocks", "default"])
+def test_regrouped_dequantization_is_bitwise_the_library_s(tmp_path, monkeypatch, row_bytes):
+    """Rows are regrouped before gguf dequantizes them; every value must come out bit for bit as
+    gguf.quants.dequantize gives it on the tensor as stored (row counts chosen not to divide evenly)."""
+    from models import checkpoints
+
+    if row_bytes is not None:
+        monkeypatch.setattr(checkpoints, "GGUF_DEQUANTIZE_ROW_BYTES", row_bytes)
+    rng = np.random.default_rng(1)
+    shapes = [(7, 96), (13, 32), (1, 32), (3, 5, 64), (97, 160)]
+
+    def build(writer):
+        for kind in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+            for shape in shapes:
+                values = (rng.standard_normal(shape) * 3).astype(np.float32)
+                writer.add_tensor(f"{kind.name}.{shape}", gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+    path = write(tmp_path / "q.gguf", build)
+    header = check_gguf_header(path)
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        got = checkpoints._dequantize(header.tensors[tensor.name], path).numpy()
+        assert got.shape == want.shape, tensor.name
+        assert got.tobytes() == want.astype(np.float32).tobytes(), tensor.name
