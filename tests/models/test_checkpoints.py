@@ -467,6 +467,19 @@ def test_gguf_f32_import_matches_transformers(tmp_path, bpe, tie):
     assert imported.source == {"format": "gguf", "path": str(path), "architecture": "llama"}
     ids = ids_for(c.vocab_size, seq=14, seed=12)
     assert_close_f32(our_logits(imported.model, ids), hf_logits(hf, ids))
+    # The dequantized tensors are the parameters (no copy): a tie is still one Parameter, and every
+    # parameter owns writable float32 memory (not a view of the mapped file).
+    model = imported.model
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tie
+    assert len(list(model.parameters())) == len(dict(model.named_parameters(remove_duplicate=False))) - tie
+    before = {}
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.float32 and param.is_contiguous() and param.requires_grad, name
+        before[name] = param.detach().clone()
+    with open(path, "r+b") as handle:  # overwritten in place: a mapped view of the file would change
+        handle.write(b"\0" * path.stat().st_size)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), before[name]), name
 
 
 def test_gguf_without_the_llama_cpp_permutation_is_a_different_function(tmp_path, bpe):
