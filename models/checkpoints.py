@@ -49,11 +49,11 @@ GGUF_STRING, GGUF_ARRAY = 8, 9
 GGUF_SCALAR_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
                       11: "<i8", 12: "<f8"}
 # Tensor types gguf.GGUFReader views as typed arrays; every other type is viewed as bytes per row.
+GGUF_PLAIN_TYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 # Row length handed to gguf's dequantizer (16 rows per numpy call): SmolLM2's rows are a few hundred
 # bytes, so calls are mostly overhead; much longer rows measured slower again (their temporaries are
 # fresh memory on every call).
 GGUF_DEQUANTIZE_ROW_BYTES = 2048
-GGUF_PLAIN_TYPES = {"F16": "<f2", "F32": "<f4", "F64": "<f8", "I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
 
 @dataclass

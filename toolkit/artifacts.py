@@ -125,7 +125,8 @@ def serialize_model(model: onnx.ModelProto) -> bytearray:
 
     protobuf (upb) serialises a model holding hundreds of MB of initializers in seconds, several
     times slower than the same bytes serialised one initializer at a time. Fields go out in
-    field-number order, as protobuf writes them, so the bytes are the same.
+    field-number order, as protobuf writes them, so the bytes are the same (unknown fields of the
+    model and graph messages themselves, which no export of ours carries, would be left out).
     """
     graph_field = model.DESCRIPTOR.fields_by_name["graph"]
     init_field = model.graph.DESCRIPTOR.fields_by_name["initializer"]
