@@ -28,8 +28,8 @@ Memory-bandwidth bound for decode: a decode step reads every weight once for the
 row's KV cache, so bytes per generated token = (weight bytes + batch * KV bytes at the mean context
 length) / batch, and the bound is read_bandwidth / bytes_per_token. Weight bytes are the initializers
 the graph reads in full (Gather tables such as the token embedding only read `batch` rows and are left
-out). The read bandwidth is measured in the same run: a float32 sum over a buffer 8x the last-level
-cache, on `threads` torch threads, best of several.
+out). The read bandwidth is measured in the same run over a buffer 8x the last-level cache, on `threads`
+threads: the best of a torch float32 sum and an ONNX Runtime float32 GEMV, each best of several.
 """
 
 from __future__ import annotations
@@ -101,26 +101,69 @@ def llc_bytes() -> int:
 
 
 def measure_read_bandwidth(threads: int, buffer_bytes: int | None = None, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s (1e9 bytes/s): best of `repeats` float32 sums over a buffer >> the LLC."""
+    """Read bandwidth in GB/s (1e9 bytes/s): the best of read_bandwidth_probes."""
+    return max(read_bandwidth_probes(threads, buffer_bytes, repeats).values())
+
+
+def read_bandwidth_probes(threads: int, buffer_bytes: int | None = None, repeats: int = 5) -> dict[str, float]:
+    """GB/s of two streaming reads over a buffer >> the LLC, each the best of `repeats`: a torch float32
+    sum, and an ONNX Runtime float32 GEMV (1 x K times K x N, the access pattern of a decode step's
+    weights). Neither alone is an upper bound: on a 2-core EPYC VM ONNX Runtime's GEMV streamed faster
+    than torch's sum in some runs and slower in others, and a bound a backend beats is no bound."""
     import torch
 
     buffer_bytes = buffer_bytes or max(8 * llc_bytes(), 256 << 20)
+    probes = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
         buffer.sum()  # fault every page in before timing
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            buffer.sum()
-            best = min(best, time.perf_counter() - start)
+        probes["torch_sum"] = buffer.numel() * 4 / _best_seconds(buffer.sum, repeats) / 1e9
     finally:
         torch.set_num_threads(previous)
-    return buffer.numel() * 4 / best / 1e9
+    del buffer
+    gemv = _ort_gemv(threads, buffer_bytes)
+    if gemv is not None:
+        run, nbytes = gemv
+        run()  # first run: the session's own allocations
+        probes["onnxruntime_gemv"] = nbytes / _best_seconds(run, repeats) / 1e9
+    return probes
 
 
-def machine_info(threads: int, read_bandwidth_gbs: float) -> dict:
+def _best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _ort_gemv(threads: int, buffer_bytes: int):
+    """(run, weight bytes) of a one-MatMul ONNX Runtime session reading a buffer_bytes weight; None
+    without onnxruntime."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    from onnx import TensorProto, helper, numpy_helper
+
+    rows = 1024  # K: a weight of shape [K, N], read once per call
+    cols = max(buffer_bytes // 4 // rows, 1)
+    weight = numpy_helper.from_array(np.ones((rows, cols), dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "read_bandwidth",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feed = {"x": np.ones((1, rows), dtype=np.float32)}
+    return (lambda: session.run(None, feed)), rows * cols * 4
+
+
+def machine_info(threads: int, read_bandwidth_gbs: float, probes: dict | None = None) -> dict:
     import onnx
     import torch
 
@@ -136,7 +179,8 @@ def machine_info(threads: int, read_bandwidth_gbs: float) -> dict:
         versions["onnxruntime"] = "not installed"
     # The load average says whether other work shared the cores during the run (then every figure is low).
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
-            "read_bandwidth_gbs": read_bandwidth_gbs, "load_average": list(os.getloadavg()),
+            "read_bandwidth_gbs": read_bandwidth_gbs, "read_bandwidth_probes_gbs": probes or {},
+            "load_average": list(os.getloadavg()),
             "platform": platform.platform(), "versions": versions}
 
 
@@ -331,7 +375,8 @@ def bench(artifact_dirs: list[str], *, backends=DEFAULT_BACKENDS, settings: Benc
                               f"{directory}'s max_positions {config.max_positions}; shorten them")
         loaded.append((str(directory), artifact))
 
-    bandwidth = measure_read_bandwidth(settings.threads, bandwidth_bytes)
+    probes = read_bandwidth_probes(settings.threads, bandwidth_bytes)
+    bandwidth = max(probes.values())
     plan = []
     eager_done = False
     for directory, artifact in loaded:
@@ -365,7 +410,7 @@ def bench(artifact_dirs: list[str], *, backends=DEFAULT_BACKENDS, settings: Benc
                 "peak_rss_scope": "subprocess" if isolate else "process",
             })
     return {
-        "machine": machine_info(settings.threads, bandwidth),
+        "machine": machine_info(settings.threads, bandwidth, probes),
         "settings": {**settings.__dict__, "batches": list(settings.batches),
                      "ort_session": {"intra_op_num_threads": settings.threads,
                                      "graph_optimization_level": "ORT_ENABLE_ALL",

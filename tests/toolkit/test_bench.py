@@ -76,6 +76,10 @@ def test_json_shape_and_sanity(report):
     machine = report["machine"]
     assert set(machine) >= {"cpu", "threads", "read_bandwidth_gbs", "versions"}
     assert machine["threads"] == 1 and machine["read_bandwidth_gbs"] > 0
+    # The bound uses the faster of the two streaming reads, so no backend's GEMV can beat it by probe choice.
+    probes = machine["read_bandwidth_probes_gbs"]
+    assert set(probes) == {"torch_sum", "onnxruntime_gemv"} and min(probes.values()) > 0
+    assert machine["read_bandwidth_gbs"] == max(probes.values())
     assert {"torch", "onnxruntime", "onnx"} <= set(machine["versions"])
     rows = [(r["backend"], r["lowering"], r["bits"], r["batch"]) for r in report["results"]]
     # eager once (on the float artifact), ONNX Runtime on both, every batch size
