@@ -55,6 +55,8 @@ SHARED_KV_CACHE = "shared-buffer"
 
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.
 REFERENCE_BACKEND = "onnx-reference"
+GPU_ORT_BACKENDS = ("ort-cuda", "ort-trt")  # TensorRT hands GroupQueryAttention to the CUDA provider
+GQA_CUDA_DTYPES = ("float16", "bfloat16")  # onnxruntime's CUDA kernel registrations for GroupQueryAttention
 
 
 def check_lowering(name: str) -> str:
@@ -65,11 +67,18 @@ def check_lowering(name: str) -> str:
 
 def unsupported_backends(manifest: dict) -> dict[str, str]:
     """{backend: why} for backends that cannot run an artifact's graphs (none for most artifacts)."""
-    if manifest.get("lowering") == "ort":
-        return {REFERENCE_BACKEND: "its graphs use ONNX Runtime's com.microsoft kernels, which the ONNX reference "
-                                   "evaluator does not implement; check it with eager and ort-cpu, or re-export "
-                                   "with --lowering standard or functions to run it there"}
-    return {}
+    if manifest.get("lowering") != "ort":
+        return {}
+    out = {REFERENCE_BACKEND: "its graphs use ONNX Runtime's com.microsoft kernels, which the ONNX reference "
+                              "evaluator does not implement; check it with eager and ort-cpu, or re-export "
+                              "with --lowering standard or functions to run it there"}
+    gqa = any(str(g.get("attention_op", "")).endswith("GroupQueryAttention") for g in manifest.get("graphs", []))
+    if gqa and (manifest.get("dtype") or "float32") not in GQA_CUDA_DTYPES:
+        why = (f"ONNX Runtime's CUDA GroupQueryAttention kernel takes {' and '.join(GQA_CUDA_DTYPES)} only, and this "
+               f"artifact is {manifest.get('dtype') or 'float32'}; re-export with --dtype float16 (or --lowering "
+               "standard) to run it on the GPU")
+        out.update({backend: why for backend in GPU_ORT_BACKENDS})
+    return out
 
 
 def check_supported(family: str, config, lowering: str) -> None:

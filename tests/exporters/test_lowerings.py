@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from exporters.lowerings import MS_DOMAIN
+from exporters.lowerings import MS_DOMAIN, unsupported_backends
 from exporters.onnx_export import export_model
 from models.llama import DecoderConfig
 from models.registry import build_model, get_family
@@ -215,6 +215,17 @@ def test_unknown_lowering_is_refused(tmp_path):
     spec = get_preset("decoder-small")
     with pytest.raises(ExportError, match="unknown lowering 'fast'; choose one of functions, standard, ort"):
         export_model(spec.build(), spec.family, spec.config, tmp_path / "a", lowering="fast")
+
+
+def test_gpu_backends_are_refused_for_float32_group_query_attention(packed_export, preset_exports):
+    """ONNX Runtime registers its CUDA GroupQueryAttention for float16 and bfloat16 only."""
+    why = unsupported_backends(packed_export.manifest)
+    assert set(why) == {"onnx-reference", "ort-cuda", "ort-trt"}
+    assert "takes float16 and bfloat16 only, and this artifact is float32; re-export with --dtype float16" in why["ort-cuda"]
+    as_float16 = dict(packed_export.manifest, dtype="float16")
+    assert set(unsupported_backends(as_float16)) == {"onnx-reference"}
+    # The opset-23 Attention fallback (head width 4) has no such limit.
+    assert set(unsupported_backends(preset_exports["decoder-small-gqa", "ort"].manifest)) == {"onnx-reference"}
 
 
 def test_reference_evaluator_refuses_ort_artifacts_clearly(preset_exports):
