@@ -349,6 +349,12 @@ def _load(family: str, config, state: dict, where, *, assign: bool = False) -> t
     missing = sorted(expected - set(state))
     if missing:
         raise ModelFileError(f"{where}: no source tensor for {missing[0]!r}")
+    for name in sorted(expected):
+        value = state[name]
+        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise ModelFileError(f"{where}: weight {name!r} holds {bad} non-finite value(s) (NaN/Inf); the checkpoint "
+                                 "is corrupt or was saved from a diverged model, re-download or re-convert it")
     tied = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)
@@ -648,7 +654,8 @@ def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
             per_row -= 1
         data = data.reshape(blocks // per_row, per_row * type_size)
     try:
-        values = gguf.quants.dequantize(data, tensor.tensor_type)
+        with np.errstate(invalid="ignore", over="ignore"):  # a corrupt scale: refused by _load, not warned
+            values = gguf.quants.dequantize(data, tensor.tensor_type)
         array = np.asarray(values, dtype=np.float32).reshape(tensor.shape)
     except (ValueError, IndexError) as exc:
         raise ModelFileError(f"{path}: tensor {tensor.name!r} data does not match its shape {tensor.shape} ({exc})") from None

@@ -606,3 +606,18 @@ def test_gguf_without_tokenizer_imports_weights_only(tmp_path, bpe):
     assert imported.tokenizer is None and imported.config.vocab_size == 64
     ids = ids_for(64, seed=16)
     assert_close_f32(our_logits(imported.model, ids), hf_logits(hf, ids))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_naming_the_weight(tmp_path, bpe, value):
+    hf = gguf_llama(bpe, seed=3)
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.v_proj.weight[1, 2] = value
+        hf.model.layers[0].self_attn.v_proj.weight[3, 0] = value
+    expected = (r"weight 'block\.0\.attention\.v_proj\.weight' holds 2 non-finite value\(s\) \(NaN/Inf\); "
+                r"the checkpoint is corrupt")
+    write_gguf(tmp_path / "model.gguf", hf, bpe)
+    with pytest.raises(ModelFileError, match=expected):
+        import_checkpoint(tmp_path / "model.gguf")
+    with pytest.raises(ModelFileError, match=expected):
+        import_checkpoint(save(hf, tmp_path / "hf"))

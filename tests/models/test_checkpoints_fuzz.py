@@ -110,14 +110,33 @@ def gstr(raw: bytes) -> bytes:
 
 
 def valid_gguf(tmp_path) -> bytes:
+    """A complete one-block llama GGUF that imports: every hyperparameter and tensor the importer needs,
+    2-D weights in Q8_0 (so mutations reach dequantization and weight loading, not only the header)."""
+    width, heads, ff, vocab = 32, 2, 32, 3
     writer = gguf.GGUFWriter(str(tmp_path / "seed.gguf"), "llama")
     writer.add_block_count(1)
-    writer.add_embedding_length(32)
-    writer.add_head_count(2)
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_tensor("token_embd.weight", np.ones((3, 32), np.float32))
-    writer.add_tensor("q", gguf.quants.quantize(np.ones((1, 32), np.float32), gguf.GGMLQuantizationType.Q8_0),
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_context_length(16)
+    writer.add_embedding_length(width)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(heads)
+    writer.add_rope_freq_base(100.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, width), "blk.0.attn_norm.weight": (width,),
+              "blk.0.attn_q.weight": (width, width), "blk.0.attn_k.weight": (width, width),
+              "blk.0.attn_v.weight": (width, width), "blk.0.attn_output.weight": (width, width),
+              "blk.0.ffn_norm.weight": (width,), "blk.0.ffn_gate.weight": (ff, width),
+              "blk.0.ffn_up.weight": (ff, width), "blk.0.ffn_down.weight": (width, ff),
+              "output_norm.weight": (width,), "output.weight": (vocab, width)}
+    for name, shape in shapes.items():
+        array = rng.standard_normal(shape).astype(np.float32)
+        if array.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -157,6 +176,8 @@ def drawn_gguf(draw) -> bytes:
 def test_fuzz_gguf_import(tmp_path, fuzz_summary):
     path = tmp_path / "model.gguf"
     seed = valid_gguf(tmp_path)
+    path.write_bytes(seed)
+    import_checkpoint(path)  # the seed itself imports, so its mutations get past the header
     counts = {"cases": 0, "imported": 0, "refused": 0}
 
     @SETTINGS
@@ -167,5 +188,7 @@ def test_fuzz_gguf_import(tmp_path, fuzz_summary):
         counts[expect_only_toolkit_errors(lambda: import_checkpoint(path), path)] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of models.checkpoints GGUF import ({counts['refused']} refused)")
+    fuzz_summary(f"fuzzed {counts['cases']} cases of models.checkpoints GGUF import ({counts['imported']} imported, "
+                 f"{counts['refused']} refused)")
+    assert counts["imported"] > 0, "no mutation reached the tensors"
     assert counts["cases"] >= CASES
