@@ -165,8 +165,13 @@ def test_packed_gqa_decode_steps_pass_check(packed_export):
     [[0, 2, 4], [7, 1, 3]],  # arbitrary positions: the kernel must rotate by each entry, not count from the first
 ])
 def test_packed_gqa_padded_batch_matches_the_oracle(packed_export, positions):
-    c = packed_export.config()
-    rng = np.random.default_rng(1)
+    assert_padded_batch_matches_the_oracle(packed_export, positions, seed=1)
+
+
+def assert_padded_batch_matches_the_oracle(artifact, positions, seed: int) -> None:
+    """Two rows, a left-padded cache of 5 and 3 new tokens at `positions`: ort-cpu against float64 eager."""
+    c = artifact.config()
+    rng = np.random.default_rng(seed)
     batch, past, new = 2, 5, 3
     feed = {"input_ids": rng.integers(0, c.vocab_size, (batch, new)),
             "past_mask": np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64),
@@ -174,8 +179,8 @@ def test_packed_gqa_padded_batch_matches_the_oracle(packed_export, positions):
     for i in range(c.layers):
         for kind in ("key", "value"):
             feed[f"past.{i}.{kind}"] = rng.standard_normal((batch, c.kv_heads, past, c.head_width)).astype(np.float32)
-    oracle = create_runner("eager-f64", packed_export).run(feed)
-    got = create_runner("ort-cpu", packed_export).run(feed)
+    oracle = create_runner("eager-f64", artifact).run(feed)
+    got = create_runner("ort-cpu", artifact).run(feed)
     for name, expected in oracle.items():
         np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-4, err_msg=name)
 
@@ -185,20 +190,7 @@ def test_padded_batch_with_a_cache_matches_the_oracle(serving_exports, lowering)
     """Rows with different histories (left-padded cache, per-row positions) and a multi-token chunk
     after a non-empty cache: the path the serving batcher uses, against the float64 oracle."""
     _, artifacts = serving_exports
-    artifact = artifacts[lowering]
-    c = GQA_CONFIG
-    rng = np.random.default_rng(0)
-    batch, past, new = 2, 5, 3
-    feed = {"input_ids": rng.integers(0, c.vocab_size, (batch, new)),
-            "past_mask": np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64)}
-    feed["position_ids"] = np.array([[3, 4, 5], [5, 6, 7]], dtype=np.int64)
-    for i in range(c.layers):
-        for kind in ("key", "value"):
-            feed[f"past.{i}.{kind}"] = rng.standard_normal((batch, c.kv_heads, past, c.head_width)).astype(np.float32)
-    oracle = create_runner("eager-f64", artifact).run(feed)
-    got = create_runner("ort-cpu", artifact).run(feed)
-    for name, expected in oracle.items():
-        np.testing.assert_allclose(got[name], expected, rtol=1e-4, atol=1e-4, err_msg=name)
+    assert_padded_batch_matches_the_oracle(artifacts[lowering], [[3, 4, 5], [5, 6, 7]], seed=0)
 
 
 @pytest.mark.parametrize("preset", ["gpt-tiny", "vaswani-2017", "modern-2026"])
