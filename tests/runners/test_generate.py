@@ -299,8 +299,9 @@ def test_a_reservation_allocates_once_and_a_new_batch_size_reallocates(shared_ar
 
 def test_generate_reserves_the_whole_generation(shared_artifact):
     lm = CachedLM(create_runner("ort-cpu", shared_artifact), SHARED_CONFIG.max_positions)
-    generate(lm, [1, 2, 3], max_new_tokens=9)
-    assert lm.capacity == 3 + 9
+    generate(lm, [1, 2, 3], max_new_tokens=10)
+    # Growing unreserved would have doubled 3 -> 6 -> 12 for the 12 positions fed; the reservation is 13.
+    assert lm.capacity == 3 + 10
 
 
 @pytest.mark.parametrize("lowering", ["functions", "standard"])
