@@ -19,13 +19,15 @@ import numpy as np
 
 from exporters.lowerings import LOWERINGS
 from exporters.onnx_export import export_model
-from models.llama import DecoderConfig
+from models.llama import LlamaConfig
 from models.registry import build_model
-from runners.generate import CachedLM
+from runners.decoding.generate import CachedLM
 from runners.ort import OrtRunner, SessionLoader
-from toolkit.artifacts import is_artifact_dir, load_artifact
+from artifact import is_artifact_dir
+from models.artifacts import open_artifact
+from models.artifacts import artifact_config
 
-SMOLLM2_SHAPE = DecoderConfig(vocab_size=49152, layers=30, width=576, heads=9, kv_heads=3, ff_width=1536,
+SMOLLM2_SHAPE = LlamaConfig(vocab_size=49152, layers=30, width=576, heads=9, kv_heads=3, ff_width=1536,
                               max_positions=2048, rope_base=100000.0, eps=1e-5, tie_embeddings=True,
                               rope_pairing="half")
 
@@ -47,11 +49,11 @@ def main() -> None:
             start = time.perf_counter()
             export_model(model, "llama", SMOLLM2_SHAPE, path, variant="serving", lowering=lowering)
             print(f"exported {lowering} in {time.perf_counter() - start:.0f} s", flush=True)
-        artifact = load_artifact(path)
+        artifact = open_artifact(path)
         graph = artifact.graphs[0]
         loader = SessionLoader(graph.model_path, "CPUExecutionProvider", intra_op_threads=args.threads)
-        runner = OrtRunner(loader, graph.input_specs, graph.output_names, artifact.config())
-        lms[lowering] = CachedLM(runner, artifact.config().max_positions)
+        runner = OrtRunner(loader, graph.input_specs, graph.output_names, artifact_config(artifact))
+        lms[lowering] = CachedLM(runner, artifact_config(artifact).max_positions)
     prompt = np.random.default_rng(0).integers(0, SMOLLM2_SHAPE.vocab_size, (1, args.prompt_len))
     results = {name: {"prefill_ms": [], "decode_tokens_per_s": []} for name in lms}
     for round_ in range(args.repeats + 1):  # round 0 warms up every session

@@ -70,7 +70,7 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from toolkit.bench import smollm2_gguf
+    from toolkit.bench.bench import smollm2_gguf
 
     gguf = smollm2_gguf()
     args.work.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys, tempfile
 from pathlib import Path
-from toolkit.bench import time_export
+from toolkit.bench.bench import time_export
 with tempfile.TemporaryDirectory() as d:
     print(json.dumps(time_export(sys.argv[1] or None, Path(d) / "artifact")))
 """

@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from toolkit.bench import smollm2_gguf
+    from toolkit.bench.bench import smollm2_gguf
 
     gguf = args.gguf or smollm2_gguf()
     rounds = []

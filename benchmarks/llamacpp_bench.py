@@ -1,6 +1,6 @@
 """llama.cpp (llama-cpp-python) on the same GGUF, measured the way `toolkit bench` measures ONNX Runtime.
 
-Same protocol as toolkit/bench.py's `measure`: a fixed random prompt (seed 0) of --prompt-len ids,
+Same protocol as toolkit/bench/bench.py's `measure`: a fixed random prompt (seed 0) of --prompt-len ids,
 `warmup` untimed runs, then `repeats` timed runs of one prefill (empty cache) and --new-tokens greedy
 decode steps (the arg-max taken inside the timed loop), batch 1, --threads for both prompt and
 generation. Prints one JSON row in the shape of `toolkit bench`'s results (and appends it to --into).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-SEED = 0  # toolkit.bench.SEED: the same prompt ids
+SEED = 0  # toolkit.bench.bench.SEED: the same prompt ids
 
 
 def measure(gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats: int, warmup: int) -> dict:

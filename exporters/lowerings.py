@@ -27,7 +27,7 @@ out, position_ids and past_mask as before. GroupQueryAttention graphs also accep
 a past buffer longer than past_mask (rows after the history are ignored) and then
 return present at that length with the new keys written after the history, in
 place when the caller binds present to the same buffer (manifest "kv_cache":
-"shared-buffer"; runners/generate.CachedLM does so on ONNX Runtime).
+"shared-buffer"; runners/ort.BoundKVCache does so on ONNX Runtime).
 
 What a lowering cannot express is refused with an ExportError naming the feature
 and the lowering that handles it (always "functions").
@@ -39,19 +39,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
-from toolkit.errors import ExportError
+from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, SHARED_KV_CACHE, Manifest
+from artifact.errors import ExportError
 
 LOWERINGS = ("functions", "standard", "ort")
-DEFAULT_LOWERING = "functions"
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
 MS_DOMAIN = "com.microsoft"
 MS_DOMAIN_VERSION = 1
-from exporters.replicate import SCOPES_KEY  # torch.onnx's per-node module path metadata
+from exporters.replicate import SCOPES_KEY, topological  # SCOPES_KEY: torch.onnx's per-node module path metadata
 GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's CPU GroupQueryAttention rejects other head widths
 GQA_ROTARY_HEAD_MULTIPLE = 16  # ... and with do_rotary it wants a multiple of 16
 # A graph entry's "kv_cache" when its past.* inputs may be longer buffers that present.* updates in place.
-SHARED_KV_CACHE = "shared-buffer"
 
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.
 REFERENCE_BACKEND = "onnx-reference"
@@ -65,17 +63,17 @@ def check_lowering(name: str) -> str:
     return name
 
 
-def unsupported_backends(manifest: dict) -> dict[str, str]:
+def unsupported_backends(manifest: Manifest) -> dict[str, str]:
     """{backend: why} for backends that cannot run an artifact's graphs (none for most artifacts)."""
-    if manifest.get("lowering") != "ort":
+    if manifest.lowering != "ort":
         return {}
     out = {REFERENCE_BACKEND: "its graphs use ONNX Runtime's com.microsoft kernels, which the ONNX reference "
                               "evaluator does not implement; check it with eager and ort-cpu, or re-export "
                               "with --lowering standard or functions to run it there"}
-    gqa = any(str(g.get("attention_op", "")).endswith("GroupQueryAttention") for g in manifest.get("graphs", []))
-    if gqa and (manifest.get("dtype") or "float32") not in GQA_CUDA_DTYPES:
+    gqa = any(str(g.attention_op or "").endswith("GroupQueryAttention") for g in manifest.graphs)
+    if gqa and manifest.dtype not in GQA_CUDA_DTYPES:
         why = (f"ONNX Runtime's CUDA GroupQueryAttention kernel takes {' and '.join(GQA_CUDA_DTYPES)} only, and this "
-               f"artifact is {manifest.get('dtype') or 'float32'}; re-export with --dtype float16 (or --lowering "
+               f"artifact is {manifest.dtype}; re-export with --dtype float16 (or --lowering "
                "standard) to run it on the GPU")
         out.update({backend: why for backend in GPU_ORT_BACKENDS})
     return out
@@ -201,8 +199,13 @@ class _Rewriter:
                 raise ExportError(f"lowering {self.lowering!r} has no rewrite for {CUSTOM_DOMAIN}::{n.op_type}; "
                                   f"export with --lowering {DEFAULT_LOWERING}")
         kept = [n for n in graph.node if id(n) not in self.removed]
-        nodes = _topological(kept + self.new_nodes, self.graph_inputs | set(self.inits) |
-                             {i.name for i in self.new_inits})
+        available = self.graph_inputs | set(self.inits) | {i.name for i in self.new_inits}
+        nodes = topological(kept + self.new_nodes, available)
+        if nodes is None:
+            produced = {o for n in kept + self.new_nodes for o in n.output}
+            missing = sorted({i for n in kept + self.new_nodes for i in n.input if i not in available | produced})[:3]
+            raise ExportError(f"lowering produced a graph with unresolved values {missing or '(a cycle)'}; "
+                              "this is a toolkit bug")
         del graph.node[:]
         graph.node.extend(nodes)
         graph.initializer.extend(self.new_inits)
@@ -353,7 +356,7 @@ class _Rewriter:
         if self.use_gqa:
             if has_cache:
                 # The kernel reads only the first seqlens_k rows of a longer past buffer and writes the new
-                # keys after them, in place when present is bound to the same buffer (runners/generate.py).
+                # keys after them, in place when present is bound to the same buffer (runners/ort.BoundKVCache).
                 self.notes["kv_cache"] = SHARED_KV_CACHE
             seqlens, total = self._gqa_lengths(x, has_cache)
             bias = self._key_padding_bias(x) if "past_mask" in self.graph_inputs else ""
@@ -499,26 +502,6 @@ def _trim(names: list[str]) -> list[str]:
     while names and names[-1] == "":
         names.pop()
     return names
-
-
-def _topological(nodes: list, available: set[str]) -> list:
-    """Order nodes so every input is produced before use (stable for nodes already in order)."""
-    ready = set(available) | {""}
-    pending, ordered = list(nodes), []
-    while pending:
-        progress, rest = False, []
-        for n in pending:
-            if all(i in ready for i in n.input):
-                ordered.append(n)
-                ready.update(n.output)
-                progress = True
-            else:
-                rest.append(n)
-        if not progress:
-            missing = sorted({i for n in rest for i in n.input if i not in ready})[:3]
-            raise ExportError(f"lowering produced a graph with unresolved values {missing}; this is a toolkit bug")
-        pending = rest
-    return ordered
 
 
 def _dead_code_elimination(graph) -> None:

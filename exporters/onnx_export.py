@@ -26,10 +26,13 @@ from exporters import replicate
 from exporters import lowerings
 from exporters import precision
 from exporters.functions import OPSET, function_protos
-from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
+from artifact.errors import ConfigError, ExportError
+from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, FORMAT, FORMAT_VERSION, MODEL_FILE, TOOLKIT_VERSION, Artifact
+from artifact.hashing import array_digest, sha256_bytes
+from artifact.protobuf import weightless
+from artifact.read import write_and_load
+from artifact.write import check_output_dir, pack_artifact
 from models.registry import get_family
-from toolkit import artifacts
-from toolkit.errors import ConfigError, ExportError
 
 VARIANTS = ("stages", "serving")
 SAMPLE_BATCH, SAMPLE_SEQUENCE = 2, 3
@@ -62,7 +65,7 @@ def output_names(family: str, config, variant: str) -> tuple[str, ...]:
 
 def graph_file(family, graph) -> str:
     """model.onnx for single-graph families, <graph>.onnx otherwise."""
-    return artifacts.MODEL_FILE if graph.name == "model" else f"{graph.name}.onnx"
+    return MODEL_FILE if graph.name == "model" else f"{graph.name}.onnx"
 
 
 def export_model(
@@ -78,7 +81,7 @@ def export_model(
     extra_files: dict[str, bytes] | None = None,
     lowering: str = lowerings.DEFAULT_LOWERING,
     dtype: str = "float32",
-) -> artifacts.Artifact:
+) -> Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
 
     source: where the weights came from (an imported checkpoint); extra_files: more files for the
@@ -94,7 +97,7 @@ def export_model(
         raise ExportError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     lowerings.check_supported(family, config, lowering)
     precision.check_supported(dtype, lowering)
-    artifacts.check_output_dir(Path(out_dir))  # before the slow trace
+    check_output_dir(Path(out_dir))  # before the slow trace
     model = model.to(torch.float32).eval()
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
@@ -129,8 +132,8 @@ def export_model(
     precision.apply(model, protos, entries, dtype)  # after the weight map, which matches float32 bytes
 
     manifest = {
-        "format": artifacts.FORMAT,
-        "format_version": artifacts.FORMAT_VERSION,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
         "family": family,
         "preset": preset,
         "seed": seed,
@@ -143,27 +146,20 @@ def export_model(
         "custom_ops": sorted(used),
         "graphs": entries,
         "source": source,
-        "extra_files": {name: artifacts.sha256_bytes(data) for name, data in (extra_files or {}).items()},
+        "extra_files": {name: sha256_bytes(data) for name, data in (extra_files or {}).items()},
         "versions": _versions(),
     }
-    files = {}
-    for entry in entries:
-        proto = protos.pop(entry["name"])  # dropped once serialised: hundreds of MB the write can reuse
-        del proto.metadata_props[:]
-        embedded = dict(manifest, graph=entry["name"])
-        proto.metadata_props.add(key=artifacts.METADATA_KEY, value=json.dumps(embedded, sort_keys=True))
+
+    def check(entry: dict, proto: onnx.ModelProto) -> None:
         proto.producer_name = "onnx-toolkit"
         try:
             _check_and_infer(proto)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
             raise ExportError(f"exported {entry['name']} graph failed the ONNX checker: {exc}") from None
-        data = artifacts.serialize_model(proto)
-        entry["sha256"] = artifacts.sha256_bytes(data)
-        files[entry["file"]] = data
-        del data, proto
-    files.update(extra_files or {})
-    files[artifacts.MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
-    return artifacts.write_and_load(Path(out_dir), files)
+
+    # Each graph's proto is dropped once serialised: hundreds of MB the write can reuse.
+    files = pack_artifact(manifest, protos, extra_files, before_serialise=check)
+    return write_and_load(Path(out_dir), files)
 
 
 def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.ModelProto:
@@ -216,8 +212,8 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
 @contextlib.contextmanager
 def _no_fake_tensor_cache():
     """torch.export's fake-tensor dispatch cache, off for the trace: one export sees each op a few
-    times, so keying and storing every symbolic-shape result costs more than the hits save (about
-    2 of the 8 s of a first trace of a decoder block on 2 cores). The traced graph is the same."""
+    times, so keying and storing every symbolic-shape result costs more than the hits save. The
+    traced graph is the same."""
     import torch._dynamo.config
 
     if not hasattr(torch._dynamo.config, "fake_tensor_cache_enabled"):
@@ -230,9 +226,9 @@ def _no_fake_tensor_cache():
 @contextlib.contextmanager
 def _no_cyclic_gc():
     """Python's cycle collector paused for the trace, which allocates millions of short-lived objects
-    and imports torch.onnx's and onnxscript's modules on first use: its full collections over the
-    whole heap took 0.4-0.6 s of a SmolLM2 export. Reference counting still frees what it can; the
-    cycles left are collected after, as usual."""
+    and imports torch.onnx's and onnxscript's modules on first use, so full collections would walk
+    the whole heap again and again. Reference counting still frees what it can; the cycles left are
+    collected after, as usual."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -244,8 +240,8 @@ def _no_cyclic_gc():
 
 def _check_and_infer(proto: onnx.ModelProto) -> None:
     """Full ONNX checker and strict shape inference, with the inferred types written into `proto`;
-    both run on the weightless copy (artifacts.weightless), which is all they read."""
-    skeleton = artifacts.weightless(proto)
+    both run on the weightless copy (artifact.protobuf.weightless), which is all they read."""
+    skeleton = weightless(proto)
     onnx.checker.check_model(skeleton, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True).graph
     del proto.graph.value_info[:]
@@ -306,7 +302,7 @@ def _weight_map(model: nn.Module, proto: onnx.ModelProto) -> dict[str, dict]:
     which lets the eager reference be rebuilt from the .onnx files alone.
     Weights a graph does not use (the decoder's, in the encoder graph) are absent.
     """
-    key = artifacts.array_digest
+    key = array_digest
     by_bytes: dict[tuple, str] = {}
     for init in proto.graph.initializer:
         by_bytes.setdefault(key(numpy_helper.to_array(init)), init.name)
@@ -335,9 +331,7 @@ def _check_weights_covered(model: nn.Module, entries: list[dict]) -> None:
 def _versions() -> dict[str, str]:
     import onnxscript
 
-    import toolkit
-
-    versions = {"toolkit": toolkit.__version__, "torch": torch.__version__, "onnx": onnx.__version__}
+    versions = {"toolkit": TOOLKIT_VERSION, "torch": torch.__version__, "onnx": onnx.__version__}
     versions["onnxscript"] = onnxscript.__version__
     try:
         import onnxruntime

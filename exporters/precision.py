@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from exporters.functions import reduced_precision_function_protos
 from models.ops import CUSTOM_DOMAIN
-from toolkit.errors import ExportError
+from artifact.errors import ExportError
 
 DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 REDUCED = ("float16", "bfloat16")

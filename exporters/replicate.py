@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from toolkit.artifacts import array_digest, weightless
+from artifact import array_digest, weightless
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 BLOCK_LIST = "block"  # the ModuleList attribute holding the blocks of every stacked family
@@ -197,7 +197,7 @@ def replicate_with_weights(model: nn.Module, small: nn.Module, proto: onnx.Model
             node = copy.deepcopy(node)
             node.input[:] = [last_output if x == block_output else x for x in node.input]
         rest.append(node)
-    nodes = _topological(rest + copies)
+    nodes = topological(rest + copies)
     if nodes is None:
         return None
 
@@ -256,9 +256,15 @@ def _weight_entries(model: nn.Module, placed: list[tuple[str, str, bool]]) -> di
     return weights
 
 
-def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto] | None:
-    """Nodes in an order where every value is produced before use (stable for ready nodes)."""
+def topological(nodes: list[onnx.NodeProto], available: set[str] | None = None) -> list[onnx.NodeProto] | None:
+    """Nodes in an order where every value is produced before use (stable: a graph already in order keeps
+    its order), or None when there is none (a cycle, or, given `available`, an input that is neither
+    available nor produced by a node)."""
     producer = {o: k for k, n in enumerate(nodes) for o in n.output if o}
+    if available is not None:
+        known = set(available) | set(producer) | {""}
+        if any(x not in known for n in nodes for x in n.input):
+            return None
     waiting = [sum(1 for x in set(n.input) if x in producer) for n in nodes]
     users = defaultdict(list)
     for k, n in enumerate(nodes):

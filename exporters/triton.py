@@ -12,8 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from toolkit.artifacts import Artifact, swap_in
-from toolkit.errors import ExportError, ModelFileError
+from artifact import Artifact, swap_in
+from artifact.errors import ExportError, ModelFileError
 
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64", "bool": "TYPE_BOOL"}
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
@@ -25,13 +25,13 @@ def _dims(shape) -> list[int]:
 
 
 def _tensor(kind: str, spec: dict) -> str:
-    dtype = TRITON_DTYPES.get(spec["dtype"])
+    dtype = TRITON_DTYPES.get(spec.dtype)
     if dtype is None:
         raise ExportError(f"tensor {spec['name']!r}: dtype {spec['dtype']} has no Triton equivalent")
-    if not spec["shape"] or spec["shape"][0] != "batch":
+    if not spec.shape or spec.shape[0] != "batch":
         raise ExportError(f"tensor {spec['name']!r}: the first axis must be the batch axis for Triton batching")
-    dims = ", ".join(str(d) for d in _dims(spec["shape"]))
-    return f'  {{\n    name: "{spec["name"]}"\n    data_type: {dtype}\n    dims: [ {dims} ]\n  }}'
+    dims = ", ".join(str(d) for d in _dims(spec.shape))
+    return f'  {{\n    name: "{spec.name}"\n    data_type: {dtype}\n    dims: [ {dims} ]\n  }}'
 
 
 def config_pbtxt(artifact: Artifact, name: str, *, device: str = "cpu", instances: int = 1,
@@ -40,7 +40,7 @@ def config_pbtxt(artifact: Artifact, name: str, *, device: str = "cpu", instance
     if device not in KINDS:
         raise ExportError(f"triton device {device!r}: choose one of {', '.join(KINDS)}")
     inputs = ",\n".join(_tensor("input", s) for s in graph.input_specs)
-    outputs = ",\n".join(_tensor("output", s) for s in graph.entry["outputs"])
+    outputs = ",\n".join(_tensor("output", s) for s in graph.entry.outputs)
     return (
         f'name: "{name}"\n'
         'backend: "onnxruntime"\n'

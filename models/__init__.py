@@ -1,5 +1,5 @@
 """PyTorch models whose every stage can be inspected and exported."""
 
-from models.llama import BlockConfig, Decoder, DecoderBlock, DecoderConfig, ProbedBlock, ProbedBlockConfig
+from models.llama import BlockConfig, LlamaDecoder, LlamaBlock, LlamaConfig, ProbedBlock, ProbedBlockConfig
 
-__all__ = ["BlockConfig", "Decoder", "DecoderBlock", "DecoderConfig", "ProbedBlock", "ProbedBlockConfig"]
+__all__ = ["BlockConfig", "LlamaDecoder", "LlamaBlock", "LlamaConfig", "ProbedBlock", "ProbedBlockConfig"]

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from models.gpt import GPTConfig
-from models.llama import DecoderConfig
+from models.llama import LlamaConfig
 from models.registry import build_model
 from models.tokenizer import TextTokenizer
-from toolkit.errors import ConfigError, ModelFileError
+from artifact.errors import ConfigError, ModelFileError
 
 HF_ARCHITECTURES = ("llama (LlamaForCausalLM)", "gpt2 (GPT2LMHeadModel)")
 GGUF_ARCHITECTURES = ("llama",)
@@ -111,7 +111,7 @@ def _get(hf: dict, key: str, where: Path, default=None, required=True):
     return default
 
 
-def _llama_config(hf: dict, where: Path) -> DecoderConfig:
+def _llama_config(hf: dict, where: Path) -> LlamaConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelFileError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported; supported: 'silu'")
     for flag in ("attention_bias", "mlp_bias"):
@@ -129,7 +129,7 @@ def _llama_config(hf: dict, where: Path) -> DecoderConfig:
         raise ModelFileError(f"{where}: head_dim {hf['head_dim']} != hidden_size/num_attention_heads "
                              f"= {width // heads}; decoupled head widths are not supported")
     try:
-        return DecoderConfig(
+        return LlamaConfig(
             vocab_size=_get(hf, "vocab_size", where), layers=_get(hf, "num_hidden_layers", where),
             width=width, heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
             ff_width=_get(hf, "intermediate_size", where),
@@ -279,7 +279,7 @@ def _finish(state: dict, leftovers: dict, where) -> dict:
     return state
 
 
-def _llama_names(c: DecoderConfig, tensors: dict, where) -> dict:
+def _llama_names(c: LlamaConfig, tensors: dict, where) -> dict:
     d, kv, f = c.width, c.kv_heads * c.head_width, c.ff_width
     state = {"embed_tokens.weight": _take(tensors, "model.embed_tokens.weight", (c.vocab_size, d), where)}
     for i in range(c.layers):
@@ -398,7 +398,7 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
     tokens = fields.get("tokenizer.ggml.tokens", [])
     vocab = fields.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
     try:
-        config = DecoderConfig(
+        config = LlamaConfig(
             vocab_size=vocab, layers=meta("block_count"), width=meta("embedding_length"), heads=heads,
             kv_heads=meta("attention.head_count_kv", heads), ff_width=meta("feed_forward_length"),
             max_positions=meta("context_length", 2048), rope_base=meta("rope.freq_base", 10000.0, float),
@@ -664,7 +664,7 @@ def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _gguf_names(c: DecoderConfig, lazy: dict, where) -> dict:
+def _gguf_names(c: LlamaConfig, lazy: dict, where) -> dict:
     tensors = {}
 
     def take(name, shape):

@@ -19,7 +19,7 @@ import torch.nn as nn
 from models import validation as v
 from models.layers import FFNS, NORMS, Attention, Block, make_ffn, make_norm, sinusoidal_table, stage_names
 from models.llama import check_token_ids
-from toolkit.errors import InputError
+from artifact.errors import InputError
 
 SWITCHES = ("norm", "ffn", "positions", "norm_placement", "biases")
 

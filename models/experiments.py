@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.llama import DecoderConfig, DecoderBlock
+from models.llama import LlamaConfig, LlamaBlock
 from models.registry import initialize
 
 
@@ -19,11 +19,11 @@ def depth_experiment(layers: int = 12, width: int = 64, heads: int = 4, ff_width
     """
     result = {"layers": layers, "width": width, "batch": batch, "sequence": sequence, "seed": seed}
     for placement in ("pre", "post"):
-        config = DecoderConfig(width=width, heads=heads, ff_width=ff_width, max_positions=sequence,
+        config = LlamaConfig(width=width, heads=heads, ff_width=ff_width, max_positions=sequence,
                                norm_placement=placement, layers=layers)
         with torch.random.fork_rng(devices=[]):
             generator = torch.Generator().manual_seed(seed)
-            blocks = torch.nn.ModuleList([DecoderBlock(config) for _ in range(layers)]).double()
+            blocks = torch.nn.ModuleList([LlamaBlock(config) for _ in range(layers)]).double()
             initialize(blocks, generator)
             x = torch.randn(batch, sequence, width, generator=generator, dtype=torch.float64)
         norms = []
@@ -44,27 +44,3 @@ def render_table(result: dict) -> str:
     growth_post = result["post"][-1] / result["post"][0]
     lines.append(f"growth last/first: pre-norm {growth_pre:.2f}x, post-norm {growth_post:.2f}x")
     return "\n".join(lines)
-
-
-def plot(result: dict, path) -> None:
-    """Write a PNG of both curves; needs matplotlib (the `plot` extra)."""
-    from toolkit.errors import ToolkitError
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ToolkitError("--plot needs matplotlib; install it with `pip install -e '.[plot]'`") from None
-    figure, axis = plt.subplots(figsize=(6, 4))
-    blocks = range(1, result["layers"] + 1)
-    axis.plot(blocks, result["pre"], marker="o", label="pre-norm")
-    axis.plot(blocks, result["post"], marker="s", label="post-norm")
-    axis.set_xlabel("block")
-    axis.set_ylabel("activation RMS")
-    axis.set_title("Residual stream through stacked blocks")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)

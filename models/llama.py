@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from models import validation as v
 from models.layers import Attention, Block, RMSNorm, SwiGLU, past_length, run_stack, stage_names
-from toolkit.errors import InputError
+from artifact.errors import InputError
 
 BLOCK_STAGES = stage_names("pre", cross=False)
 # Post-norm computes the branches before the norms; stage order follows computation.
@@ -59,7 +59,7 @@ class BlockConfig(v.ConfigFields):
 
 
 @dataclass
-class DecoderConfig(BlockConfig):
+class LlamaConfig(BlockConfig):
     vocab_size: int = 64
     layers: int = 2
     tie_embeddings: bool = True
@@ -81,7 +81,7 @@ class ProbedBlockConfig(BlockConfig):
         super().__post_init__()
 
 
-class DecoderBlock(Block):
+class LlamaBlock(Block):
     """One LLaMA-style block: RMSNorm, RoPE attention (MHA or GQA), SwiGLU; stages by name."""
 
     def __init__(self, config: BlockConfig):
@@ -106,7 +106,7 @@ class ProbedBlock(nn.Module):
     def __init__(self, config: ProbedBlockConfig):
         super().__init__()
         self.config = config
-        self.block = nn.ModuleList([DecoderBlock(config)])
+        self.block = nn.ModuleList([LlamaBlock(config)])
         # A buffer, not a parameter: the read-out is fixed and outside the block's parameter count.
         self.register_buffer("probe", torch.zeros(config.width, config.probe_width))
 
@@ -122,14 +122,14 @@ class ProbedBlock(nn.Module):
         return stages
 
 
-class Decoder(nn.Module):
+class LlamaDecoder(nn.Module):
     """Token embedding -> N blocks -> final RMSNorm -> vocabulary head (tied by default)."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.width)
-        self.block = nn.ModuleList([DecoderBlock(config) for _ in range(config.layers)])
+        self.block = nn.ModuleList([LlamaBlock(config) for _ in range(config.layers)])
         self.final_norm = RMSNorm(config.width, config.eps)
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -152,7 +152,7 @@ class Decoder(nn.Module):
         return stages
 
 
-def check_token_ids(input_ids: torch.Tensor, config: DecoderConfig, position_offset: int = 0) -> None:
+def check_token_ids(input_ids: torch.Tensor, config: LlamaConfig, position_offset: int = 0) -> None:
     if input_ids.dtype != torch.int64:
         raise InputError(f"input 'input_ids': expected dtype int64, got {input_ids.dtype}")
     T = input_ids.shape[1]

@@ -9,8 +9,7 @@ Attention and RoPE stay free functions so a later lowering can replace them.
 import torch
 import torch.nn.functional as F
 
-CUSTOM_DOMAIN = "onnx_toolkit"
-CUSTOM_DOMAIN_VERSION = 1
+from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

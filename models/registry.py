@@ -20,18 +20,9 @@ from models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig, decoder
 from models.gpt import GPT, GPTConfig
 from models.gpt import parameter_formula as gpt_parameter_formula
 from models.layers import swiglu_width
-from models.llama import Decoder, DecoderConfig, ProbedBlock, ProbedBlockConfig
-from toolkit.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    name: str
-    dtype: str  # numpy dtype name
-    shape: tuple  # ints for fixed axes, strings for dynamic ones
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+from models.llama import LlamaDecoder, LlamaConfig, ProbedBlock, ProbedBlockConfig
+from artifact.errors import ConfigError
+from artifact.format import TensorSpec, is_cache_input, past_name, present_name
 
 
 @dataclass(frozen=True)
@@ -39,15 +30,15 @@ class GraphSpec:
     """One exported graph: its inputs, its stage outputs in order, and how eager computes them."""
 
     name: str
-    inputs: tuple[InputSpec, ...]
+    inputs: tuple[TensorSpec, ...]
     stages: tuple[str, ...]
     serving: tuple[str, ...]  # the outputs of the serving variant
     run: Callable[..., dict]  # (model, *inputs in spec order) -> {stage: tensor}
     # Language models serve through a KV-cache graph with extra inputs and its own eager path.
-    serving_inputs: tuple[InputSpec, ...] | None = None
+    serving_inputs: tuple[TensorSpec, ...] | None = None
     serving_run: Callable[..., dict] | None = None
 
-    def variant(self, variant: str) -> tuple[tuple[InputSpec, ...], tuple[str, ...], Callable[..., dict]]:
+    def variant(self, variant: str) -> tuple[tuple[TensorSpec, ...], tuple[str, ...], Callable[..., dict]]:
         """(inputs, outputs, eager run) of this graph in the given export variant."""
         if variant == "serving" and self.serving_inputs is not None:
             return self.serving_inputs, self.serving, self.serving_run
@@ -68,7 +59,7 @@ class Family:
     def config_from_dict(self, data):
         return self.config_cls.from_dict(data)
 
-    def input_specs(self, config, variant: str = "stages") -> tuple[InputSpec, ...]:
+    def input_specs(self, config, variant: str = "stages") -> tuple[TensorSpec, ...]:
         """Inputs of the first graph (the only one for single-graph families)."""
         return self.graphs(config)[0].variant(variant)[0]
 
@@ -102,10 +93,10 @@ def _language_model(config, stages) -> tuple[GraphSpec, ...]:
     past, present = [], ["logits"]
     for i in range(config.layers):
         for kind in ("key", "value"):
-            past.append(InputSpec(f"past.{i}.{kind}", "float32", cache_shape))
-            present.append(f"present.{i}.{kind}")
-    serving_inputs = (_ids(), InputSpec("position_ids", "int64", ("batch", "sequence")),
-                      InputSpec("past_mask", "int64", ("batch", "past_sequence")), *past)
+            past.append(TensorSpec(past_name(i, kind), "float32", cache_shape))
+            present.append(present_name(past[-1].name))
+    serving_inputs = (_ids(), TensorSpec("position_ids", "int64", ("batch", "sequence")),
+                      TensorSpec("past_mask", "int64", ("batch", "past_sequence")), *past)
 
     def serving_run(model, ids, position_ids, past_mask, *flat):
         return model(ids, past=_cache_pairs(flat), past_mask=past_mask, position_ids=position_ids)
@@ -115,7 +106,7 @@ def _language_model(config, stages) -> tuple[GraphSpec, ...]:
 
 
 def has_cache(input_specs) -> bool:
-    return any(spec["name"].startswith("past.") for spec in input_specs)
+    return any(is_cache_input(TensorSpec.of(spec).name) for spec in input_specs)
 
 
 def lm_defaults(specs, input_ids: np.ndarray, past_length: int = 0) -> dict[str, np.ndarray]:
@@ -123,20 +114,20 @@ def lm_defaults(specs, input_ids: np.ndarray, past_length: int = 0) -> dict[str,
     tokens and positions continuing after it."""
     batch, new = input_ids.shape
     out = {}
-    for spec in specs:
-        name = spec["name"]
+    for spec in map(TensorSpec.of, specs):
+        name = spec.name
         if name == "position_ids":
             out[name] = np.broadcast_to(np.arange(past_length, past_length + new, dtype=np.int64), (batch, new)).copy()
         elif name == "past_mask":
             out[name] = np.ones((batch, past_length), dtype=np.int64)
-        elif name.startswith("past.") and past_length == 0:
-            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec["shape"]]
-            out[name] = np.zeros(shape, dtype=spec["dtype"])
+        elif is_cache_input(name) and past_length == 0:
+            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec.shape]
+            out[name] = np.zeros(shape, dtype=spec.dtype)
     return out
 
 
 def _ids(name="input_ids", axis="sequence"):
-    return InputSpec(name, "int64", ("batch", axis))
+    return TensorSpec(name, "int64", ("batch", axis))
 
 
 def _token_inputs(config, batch: int, seq: int, rng: np.random.Generator):
@@ -153,7 +144,7 @@ def _encoder_decoder_inputs(config, batch: int, seq: int, rng: np.random.Generat
 
 
 def _encoder_decoder_graphs(c: EncoderDecoderConfig):
-    memory = InputSpec("encoder_output", "float32", ("batch", "source_sequence", c.width))
+    memory = TensorSpec("encoder_output", "float32", ("batch", "source_sequence", c.width))
     return (
         GraphSpec("encoder", (_ids("source_ids", "source_sequence"),), encoder_stage_names(c), ("encoder_output",),
                   lambda model, source_ids: model.encode(source_ids)),
@@ -169,7 +160,7 @@ def llama_block_formula(config) -> int:
     return 2 * d + 2 * d * d + 2 * d * kv_width + 3 * d * config.ff_width
 
 
-def _llama_formula(c: DecoderConfig) -> int:
+def _llama_formula(c: LlamaConfig) -> int:
     embeddings = (1 if c.tie_embeddings else 2) * c.vocab_size * c.width  # the head only when untied
     return embeddings + c.layers * llama_block_formula(c) + c.width
 
@@ -199,7 +190,7 @@ FAMILIES: dict[str, Family] = {
         description="one LLaMA-style decoder block with a fixed linear probe read-out",
         config_cls=ProbedBlockConfig,
         module_cls=ProbedBlock,
-        graphs=lambda c: _single((InputSpec("hidden_states", "float32", ("batch", "sequence", c.width)),),
+        graphs=lambda c: _single((TensorSpec("hidden_states", "float32", ("batch", "sequence", c.width)),),
                                  [*_block_stages(c), "logits"]),
         random_inputs=lambda c, b, t, rng: {"hidden_states": rng.standard_normal((b, t, c.width))},
         parameter_formula=llama_block_formula,
@@ -208,8 +199,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(
         name="llama",
         description="stacked LLaMA-style decoder: embedding, RMSNorm/RoPE/SwiGLU blocks, final RMSNorm, head",
-        config_cls=DecoderConfig,
-        module_cls=Decoder,
+        config_cls=LlamaConfig,
+        module_cls=LlamaDecoder,
         graphs=lambda c: _language_model(c, ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
         random_inputs=_token_inputs,
         parameter_formula=_llama_formula,

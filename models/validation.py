@@ -8,7 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
-from toolkit.errors import ConfigError
+from artifact.errors import ConfigError
 
 
 def fail(owner: str, field: str, expected: str, actual: Any) -> None:

@@ -4,6 +4,12 @@ A runner has a name, the device/provider it really ran on, and
 run(inputs) -> {output name: numpy array}; it records the last run's time.
 Feeds are checked against the model's declared inputs before any backend sees
 them, so a bad feed is an InputError naming the input, never a backend crash.
+
+Decoding: `new_cache()` makes the KV cache a runner carries between steps, and
+`decode_step(feed, cache)` runs one step of a KV-cache graph, feeding the cache
+and keeping the `present.*` outputs as the next step's `past.*`. The base class
+does it through `run` with numpy arrays; ONNX Runtime overrides both to keep the
+cache in OrtValues bound with IO binding (runners/ort.py).
 """
 
 from __future__ import annotations
@@ -12,15 +18,16 @@ import time
 
 import numpy as np
 
-from toolkit.errors import InputError, ModelFileError
+from artifact.errors import InputError, ModelFileError
+from artifact.format import is_cache_input, present_name, tensor_specs
 
 
 class Runner:
     name: str = "runner"
     device: str = "unknown"
 
-    def __init__(self, input_specs: list[dict], output_names: list[str], config=None):
-        self.input_specs = input_specs
+    def __init__(self, input_specs, output_names: list[str], config=None):
+        self.input_specs = tensor_specs(input_specs)
         self.output_names = list(output_names)
         self.config = config
         self.last_inference_time: float | None = None
@@ -37,15 +44,72 @@ class Runner:
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def new_cache(self, max_positions: int) -> KVCache:
+        return KVCache(self.input_specs, max_positions)
 
-def check_feed(specs: list[dict], inputs: dict, config=None, trusted=()) -> dict[str, np.ndarray]:
+    def decode_step(self, feed: dict[str, np.ndarray], cache: KVCache) -> np.ndarray:
+        """One step of a KV-cache graph: `feed` holds the new tokens' inputs (input_ids, position_ids,
+        past_mask), `cache` the history; returns the logits and keeps the present.* outputs in `cache`.
+        The caller advances cache.length."""
+        if not cache.values:
+            cache.values = cache.empty(feed["input_ids"].shape[0])
+        trusted = tuple(cache.names) if cache.length else ()  # our own cache from the last step
+        outputs = self.run({**feed, **cache.values}, trusted=trusted)
+        cache.values = {name: outputs[present_name(name)] for name in cache.names}
+        return outputs["logits"]
+
+
+class KVCache:
+    """The KV cache a runner carries between decode steps: the past.* values as that runner returns them
+    (numpy arrays here; OrtValues on ONNX Runtime) and how many positions of history they hold."""
+
+    shared = False  # one pre-allocated buffer per input, written in place (ONNX Runtime's GroupQueryAttention)
+
+    def __init__(self, specs, max_positions: int):
+        self.specs = {s.name: s for s in tensor_specs(specs) if is_cache_input(s.name)}
+        if not self.specs:
+            raise InputError(
+                "this artifact has no KV cache inputs; export it with `--variant serving` to generate text"
+            )
+        self.max_positions = max_positions
+        self.planned = 0
+        self.reset()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    @property
+    def capacity(self) -> int:
+        """Positions a pre-allocated buffer holds (0 when the cache is concatenated each step)."""
+        return 0
+
+    def reset(self) -> None:
+        self.values: dict = {}
+        self.length = 0
+
+    def reserve(self, positions: int) -> None:
+        """Say how many positions the next generation will hold, so a shared buffer is allocated once."""
+        self.planned = min(int(positions), self.max_positions)
+
+    def empty(self, batch: int) -> dict[str, np.ndarray]:
+        """An empty history (past_sequence 0) of `batch` rows, as numpy arrays."""
+        out = {}
+        for name, spec in self.specs.items():
+            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec.shape]
+            out[name] = np.zeros(shape, dtype=spec.dtype)
+        return out
+
+
+def check_feed(specs, inputs: dict, config=None, trusted=()) -> dict[str, np.ndarray]:
     """Validate names, dtypes, ranks, fixed and symbolic dims, sizes and values of a feed.
 
     Inputs named in `trusted` skip the NaN/Inf scan: a decode loop's cache is the runner's own output,
     and scanning it every step would read the whole cache once more per token."""
     if not isinstance(inputs, dict):
         raise InputError(f"inputs: expected a mapping of input name to array, got {type(inputs).__name__}")
-    expected = [s["name"] for s in specs]
+    specs = tensor_specs(specs)
+    expected = [s.name for s in specs]
     missing = [n for n in expected if n not in inputs]
     extra = [n for n in inputs if n not in expected]
     if missing or extra:
@@ -57,17 +121,17 @@ def check_feed(specs: list[dict], inputs: dict, config=None, trusted=()) -> dict
     symbols: dict[str, tuple[int, str]] = {}
     feed = {}
     for spec in specs:
-        name, array = spec["name"], inputs[spec["name"]]
+        name, array = spec.name, inputs[spec.name]
         if not isinstance(array, np.ndarray):
             raise InputError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
         try:
-            want_dtype = np.dtype(spec["dtype"])
+            want_dtype = np.dtype(spec.dtype)
         except TypeError:
-            raise ModelFileError(f"input {name!r}: the model declares dtype {spec['dtype']!r}, which numpy does not "
+            raise ModelFileError(f"input {name!r}: the model declares dtype {spec.dtype!r}, which numpy does not "
                                  "know; re-export the model") from None
         if array.dtype != want_dtype:
-            raise InputError(f"input {name!r}: expected dtype {spec['dtype']}, got {array.dtype}; cast it first")
-        shape = spec["shape"]
+            raise InputError(f"input {name!r}: expected dtype {spec.dtype}, got {array.dtype}; cast it first")
+        shape = spec.shape
         if array.ndim != len(shape):
             raise InputError(
                 f"input {name!r}: expected rank {len(shape)} {_fmt(shape)}, got rank {array.ndim} {tuple(array.shape)}"

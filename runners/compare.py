@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit.errors import ComparisonError, ConfigError
+from artifact.errors import ComparisonError, ConfigError
 
 
 @dataclass(frozen=True)

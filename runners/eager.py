@@ -15,8 +15,10 @@ from onnx import numpy_helper
 
 from models.registry import build_model, get_family
 from runners.base import Runner, check_feed
-from toolkit.artifacts import Artifact, GraphArtifact, load_onnx
-from toolkit.errors import ModelFileError
+from artifact import Artifact, GraphArtifact, load_onnx
+from artifact.errors import ModelFileError
+from exporters.quantize import dequantize_weight
+from models.artifacts import artifact_config
 
 
 TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -60,7 +62,7 @@ class EagerRunner(Runner):
         # The oracle keeps its own float64 cache between decode steps; validate a view of the feed at the
         # declared dtype, then compute on the float64 values. Its own cache (trusted) is checked by shape
         # through a zero-stride stand-in: casting it would copy it and could overflow a float16 declaration.
-        declared = {s["name"]: s["dtype"] for s in self.input_specs}
+        declared = {s.name: s.dtype for s in self.input_specs}
 
         def view(name, value):
             if not (isinstance(value, np.ndarray) and value.dtype == np.float64):
@@ -81,7 +83,7 @@ class EagerRunner(Runner):
     def _infer(self, feed):
         args = []
         for spec in self.input_specs:
-            tensor = to_torch(feed[spec["name"]])
+            tensor = to_torch(feed[spec.name])
             tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
             args.append(tensor.to(self.torch_device))
         if self.torch_device.type != "cuda":
@@ -99,7 +101,7 @@ class EagerRunner(Runner):
 
 def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch.nn.Module:
     """Construct the artifact's model and load every weight from the graphs' ONNX initializers."""
-    config = artifact.config()
+    config = artifact_config(artifact)
     model = build_model(artifact.family, config, init=False)  # every weight is loaded next
     protos = protos or {}
     state = model.state_dict()
@@ -107,30 +109,28 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
     for graph in artifact.graphs:
         proto = protos.get(graph.name) or load_onnx(graph.model_path)
         initializers = {init.name: init for init in proto.graph.initializer}
-        for name, entry in graph.weights.items():
+        for name, place in graph.weights.items():
             if name not in state:
                 raise ModelFileError(f"{graph.model_path}: the manifest maps unknown weight {name!r}; re-run `toolkit export`")
-            if entry.get("initializer") not in initializers:
+            if place.initializer not in initializers:
                 raise ModelFileError(
-                    f"{graph.model_path}: weight {name!r} points at missing initializer {entry.get('initializer')!r}"
+                    f"{graph.model_path}: weight {name!r} points at missing initializer {place.initializer!r}"
                 )
-            array = numpy_helper.to_array(initializers[entry["initializer"]])
+            array = numpy_helper.to_array(initializers[place.initializer])
             if array.dtype.name in ("float16", "bfloat16"):
                 # A reduced-precision export: the model holds the rounded values, widened exactly.
                 array = array.astype(np.float32)
-            if entry.get("quantized"):  # a `toolkit quantize` artifact: the reference uses the dequantized weight
-                from toolkit.quantize import dequantize_weight
-
-                array = dequantize_weight(initializers, entry["quantized"])
-            if entry.get("slice"):  # a fused initializer (lowering "ort": QKV, gate/up): [axis, start, stop]
-                axis, start, stop = entry["slice"]
+            if place.quantized:  # a `toolkit quantize` artifact: the reference uses the dequantized weight
+                array = dequantize_weight(initializers, place.quantized)
+            if place.slice:  # a fused initializer (lowering "ort": QKV, gate/up): [axis, start, stop]
+                axis, start, stop = place.slice
                 array = np.take(array, np.arange(start, stop), axis=axis)
-            if entry.get("transpose"):
+            if place.transpose:
                 array = array.T
             if tuple(array.shape) != tuple(state[name].shape):
                 raise ModelFileError(
                     f"{graph.model_path}: weight {name!r} expected shape {tuple(state[name].shape)}, "
-                    f"initializer {entry['initializer']!r} has {tuple(array.shape)}"
+                    f"initializer {place.initializer!r} has {tuple(array.shape)}"
                 )
             loaded[name] = torch.from_numpy(np.array(array, copy=True, order="C"))
     missing = [name for name in state if name not in loaded]
@@ -143,7 +143,7 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
 def eager_runner(artifact: Artifact, dtype: torch.dtype, name: str, graph: str | None = None,
                  protos: dict | None = None, model: torch.nn.Module | None = None, device: str = "cpu") -> EagerRunner:
     graph_artifact = artifact.graph(graph)
-    spec = {g.name: g for g in get_family(artifact.family).graphs(artifact.config())}[graph_artifact.name]
+    spec = {g.name: g for g in get_family(artifact.family).graphs(artifact_config(artifact))}[graph_artifact.name]
     model = model if model is not None else model_from_artifact(artifact, protos)
     run = spec.variant(artifact.variant)[2]
-    return EagerRunner(model, dtype, graph_artifact, run, artifact.config(), name=name, device=device)
+    return EagerRunner(model, dtype, graph_artifact, run, artifact_config(artifact), name=name, device=device)

@@ -16,17 +16,18 @@ it is offered as `strict_placement` rather than used by default.)
 from __future__ import annotations
 
 import functools
-
 import json
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from runners.base import Runner
-from toolkit.errors import BackendUnavailableError, ModelFileError
+from artifact.format import SHARED_KV_CACHE, present_name
+from runners.base import KVCache, Runner, check_feed
+from artifact.errors import BackendUnavailableError, ModelFileError
 
 PROVIDERS = {
     "ort-cpu": "CPUExecutionProvider",
@@ -141,7 +142,7 @@ class OrtRunner(Runner):
                  kv_cache: str | None = None):
         super().__init__(input_specs, output_names, config)
         self.name = name
-        self.kv_cache = kv_cache  # the graph entry's "kv_cache" ("shared-buffer": see runners/generate.py)
+        self.kv_cache = kv_cache  # the graph entry's "kv_cache": SHARED_KV_CACHE allows BoundKVCache's shared buffers
         self.loader = loader
         self.session = loader()
         provider = self.session.get_providers()[0]
@@ -188,9 +189,83 @@ class OrtRunner(Runner):
             return set()
         return {o.name for o in outputs if o.type == "tensor(bfloat16)"}
 
-    def placement(self, feed: dict) -> "PlacementAudit":
+    def placement(self, feed: dict) -> PlacementAudit:
         """Run `feed` once in a profiling session and audit where every node ran."""
         return profile_placement(self.loader, feed)
+
+    def new_cache(self, max_positions: int) -> BoundKVCache:
+        return BoundKVCache(self, max_positions)
+
+    def decode_step(self, feed: dict[str, np.ndarray], cache: BoundKVCache) -> np.ndarray:
+        """One step through IO binding: the cache lives where the provider computes (the GPU for ort-cuda)
+        and never visits the host; only the new ids go in and the logits come out."""
+        ids = feed["input_ids"]
+        if cache.length == 0:  # validate the first feed fully; later ones only add our own cache
+            check_feed(self.input_specs, {**feed, **cache.empty(ids.shape[0])}, self.config)
+        elif ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            check_feed(self.input_specs, {**feed, "position_ids": np.zeros_like(ids),
+                                          "past_mask": np.ones((ids.shape[0], 0), dtype=np.int64),
+                                          **cache.empty(ids.shape[0])}, self.config)
+        binding = self.session.io_binding()
+        for name, value in feed.items():
+            binding.bind_ortvalue_input(name, to_ortvalue(value, self.binding_device, self.device_id))
+        if cache.shared:
+            cache.grow(ids.shape[0], cache.length + ids.shape[1])
+        elif not cache.values:
+            cache.values = {name: to_ortvalue(value, self.binding_device, self.device_id)
+                            for name, value in cache.empty(ids.shape[0]).items()}
+        for name in cache.names:
+            binding.bind_ortvalue_input(name, cache.buffers[name] if cache.shared else cache.values[name])
+        for name in self.output_names:
+            past = cache.past_of.get(name)
+            if name == "logits":
+                binding.bind_output(name, "cpu")  # the sampler needs them on the host
+            elif cache.shared and past is not None:
+                binding.bind_ortvalue_output(name, cache.buffers[past])  # written in place
+            else:
+                binding.bind_output(name, self.binding_device, self.device_id)
+        start = time.perf_counter()
+        self.session.run_with_iobinding(binding)
+        self.last_inference_time = time.perf_counter() - start
+        values = dict(zip(self.output_names, binding.get_outputs()))
+        cache.values = {name: values[present_name(name)] for name in cache.names}
+        return from_ortvalue(values["logits"])
+
+
+class BoundKVCache(KVCache):
+    """The KV cache of an ONNX Runtime runner, in OrtValues on the provider's device.
+
+    Graphs whose manifest says kv_cache SHARED_KV_CACHE (the ort lowering's GroupQueryAttention)
+    take a past buffer longer than the history: rows past seqlens_k are ignored and the new keys
+    are written in place. There the cache is one pre-allocated buffer per past.* input, bound as
+    both the past input and the present output, so a step neither allocates nor copies it.
+    """
+
+    def __init__(self, runner: OrtRunner, max_positions: int):
+        super().__init__(runner.input_specs, max_positions)
+        self.device, self.device_id = runner.binding_device, runner.device_id
+        self.shared = runner.kv_cache == SHARED_KV_CACHE
+        self.past_of = {present_name(name): name for name in self.names}
+        self.buffers: dict = {}  # shared: name -> OrtValue [batch, kv_heads, capacity, head_width]
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.buffers.values())).shape()[2] if self.buffers else 0
+
+    def grow(self, batch: int, needed: int) -> None:
+        """Make the shared buffers hold `needed` positions for `batch` rows, keeping the history."""
+        same_rows = bool(self.buffers) and self.buffers[self.names[0]].shape()[0] == batch
+        if same_rows and self.capacity >= needed:
+            return
+        # Double on overflow, so a generation that did not reserve still grows O(log n) times.
+        capacity = min(max(needed, self.planned, 2 * self.capacity if same_rows else 0), self.max_positions)
+        keep = self.length if same_rows else 0
+        for name, spec in self.specs.items():
+            shape = [batch if d == "batch" else capacity if d == "past_sequence" else d for d in spec.shape]
+            array = np.zeros(shape, dtype=spec.dtype)
+            if keep:
+                array[:, :, :keep] = from_ortvalue(self.buffers[name])[:, :, :keep]
+            self.buffers[name] = to_ortvalue(array, self.device, self.device_id)
 
 
 def to_ortvalue(array, device: str = "cpu", device_id: int = 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from onnx.reference import ReferenceEvaluator
 
 from runners.base import Runner
-from toolkit.errors import ModelFileError
+from artifact.errors import ModelFileError
 
 
 class ReferenceRunner(Runner):

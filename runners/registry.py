@@ -8,8 +8,9 @@ from runners.eager import TORCH_DTYPES, eager_runner
 from runners.ort import PROVIDERS, OrtRunner, SessionLoader, available_providers
 from exporters.lowerings import unsupported_backends
 from runners.reference import ReferenceRunner
-from toolkit.artifacts import Artifact, load_onnx
-from toolkit.errors import BackendUnavailableError
+from artifact import Artifact, load_onnx
+from artifact.errors import BackendUnavailableError
+from models.artifacts import artifact_config
 
 BACKENDS = {
     "eager": "PyTorch eager at the export dtype (float32 unless exported with --dtype)",
@@ -28,8 +29,8 @@ DTYPES = {"ort-cpu": ("float32", "float16")}
 
 
 def artifact_dtype(artifact: Artifact) -> str:
-    """The export dtype of an artifact (manifests written before --dtype existed are float32)."""
-    return artifact.manifest.get("dtype") or "float32"
+    """The export dtype of an artifact (the manifest's default: float32)."""
+    return artifact.manifest.dtype
 
 
 def _cuda_available() -> bool:
@@ -93,7 +94,7 @@ def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, pr
     if why:  # e.g. the reference evaluator on an ort-lowered artifact
         raise BackendUnavailableError(f"backend {name!r} cannot run {artifact.location}: {why}")
     target = artifact.graph(graph)
-    config = artifact.config()
+    config = artifact_config(artifact)
     if name in ("eager", "eager-f64", "eager-cuda"):
         torch_dtype = torch.float64 if name == "eager-f64" else TORCH_DTYPES[dtype]
         model = None if eager_model is None else eager_model.to(torch_dtype)
@@ -102,7 +103,7 @@ def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, pr
     if name in PROVIDERS:
         loader = SessionLoader(target.model_path, PROVIDERS[name], tf32=tf32)
         return OrtRunner(loader, target.input_specs, target.output_names, config, name=name,
-                         kv_cache=target.entry.get("kv_cache"))
+                         kv_cache=target.entry.kv_cache)
     proto = (protos or {}).get(target.name) or load_onnx(target.model_path)
     return ReferenceRunner(proto, target.input_specs, target.output_names, config)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exporters.onnx_export import export_model
-from toolkit.artifacts import load_artifact
-from toolkit.configs import get_preset
+from models.artifacts import open_artifact
+from models.presets import get_preset
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,7 @@ def exported(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{preset}-{variant}") / "artifact"
             export_model(spec.build(), spec.family, spec.config, out, variant=variant, preset=spec.name,
                          seed=spec.seed)
-            cache[key] = load_artifact(out)
+            cache[key] = open_artifact(out)
         return cache[key]
 
     return get

@@ -1,3 +1,5 @@
-"""ONNX export and multi-backend cross-checking for transformer decoders."""
+"""ONNX export and multi-backend cross-checking for transformer decoders: the CLI and its applications."""
 
-__version__ = "0.1.0"
+from artifact.format import TOOLKIT_VERSION as __version__
+
+__all__ = ["__version__"]

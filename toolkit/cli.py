@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from toolkit import __version__
-from toolkit.errors import ToolkitError
+from artifact.errors import ToolkitError
 
 
 class UserError(click.ClickException):

@@ -21,15 +21,19 @@ import pytest
 import torch
 
 import exporters.onnx_export as onnx_export
-import toolkit.artifacts as artifacts
+import artifact as artifacts
+import artifact.read as artifact_read
+import artifact.write as artifact_write
 from exporters.onnx_export import export_model, output_names
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from models.registry import get_family
 from runners.registry import create_runner
-from toolkit.artifacts import METADATA_KEY, load_artifact
-from toolkit.check import cross_check
-from toolkit.configs import get_preset
-from toolkit.errors import ConfigError, ExportError, ModelFileError
+from artifact import METADATA_KEY
+from models.artifacts import open_artifact
+from toolkit.check.crosscheck import cross_check
+from models.presets import get_preset
+from artifact.errors import ConfigError, ExportError, ModelFileError
+from models.artifacts import artifact_config
 
 PRE_NORM = ["attention_norm", "attention_weights", "attention_branch", "after_attention",
             "feed_forward_norm", "feed_forward_branch", "output"]
@@ -183,7 +187,7 @@ def test_inputs_have_dynamic_batch_and_sequence(exported, preset, elem, fixed):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_manifest_describes_the_file(exported, preset):
     artifact = exported(preset)
-    manifest, spec = artifact.manifest, get_preset(preset)
+    manifest, spec = artifact.manifest.to_dict(), get_preset(preset)
     entry = graph_entry(manifest)
     proto = load_proto(artifact)
     assert manifest["format"] == artifacts.FORMAT and manifest["format_version"] == artifacts.FORMAT_VERSION
@@ -211,7 +215,7 @@ def test_manifest_describes_the_file(exported, preset):
 
 def test_manifest_on_disk_equals_loaded_manifest(exported):
     artifact = exported("block-small")
-    assert json.loads((artifact.directory / artifacts.MANIFEST_FILE).read_text()) == artifact.manifest
+    assert json.loads((artifact.directory / artifacts.MANIFEST_FILE).read_text()) == artifact.manifest.to_dict()
 
 
 def _without_hashes(value):
@@ -229,16 +233,16 @@ def test_manifest_is_embedded_in_metadata(exported, preset):
     assert METADATA_KEY in props
     embedded = json.loads(props[METADATA_KEY])
     # The embedded copy cannot contain the file's own hash; everything else is the same.
-    assert _without_hashes(embedded) == _without_hashes(artifact.manifest)
+    assert _without_hashes(embedded) == _without_hashes(artifact.manifest.to_dict())
 
 
 def test_lone_onnx_file_is_self_describing(exported, tmp_path):
     artifact = exported("block-small")
     lone = tmp_path / "elsewhere.onnx"
     shutil.copyfile(artifact.model_path, lone)
-    loaded = load_artifact(lone)
+    loaded = open_artifact(lone)
     assert loaded.directory is None
-    assert loaded.family == "block" and loaded.config() == get_preset("block-small").config
+    assert loaded.family == "block" and artifact_config(loaded) == get_preset("block-small").config
     assert loaded.output_names == artifact.output_names
     assert loaded.input_specs == artifact.input_specs
     # It runs, and the eager oracle can be rebuilt from the lone file's initializers.
@@ -280,14 +284,14 @@ def test_canned_reexport_replaces_an_artifact_cleanly(canned_trace, good_artifac
     (good_artifact / "stale.txt").write_text("from an older export")
     artifact = canned_trace(good_artifact)
     assert sorted(p.name for p in good_artifact.iterdir()) == [artifacts.MANIFEST_FILE, artifacts.MODEL_FILE]
-    assert manifest_sha(artifact.manifest) == hashlib.sha256((good_artifact / artifacts.MODEL_FILE).read_bytes()).hexdigest()
+    assert manifest_sha(artifact.manifest.to_dict()) == hashlib.sha256((good_artifact / artifacts.MODEL_FILE).read_bytes()).hexdigest()
     assert leftovers(good_artifact.parent, good_artifact.name) == []
-    assert load_artifact(good_artifact).family == "block"
+    assert open_artifact(good_artifact).family == "block"
 
 
 def _assert_untouched(directory: Path, before: dict[str, bytes]) -> None:
     assert snapshot(directory) == before
-    assert load_artifact(directory).family == "block"
+    assert open_artifact(directory).family == "block"
     assert leftovers(directory.parent, directory.name) == []
 
 
@@ -325,7 +329,7 @@ def test_failed_verification_keeps_previous_artifact_and_removes_temp_dir(canned
         seen.append(Path(path))
         raise ModelFileError(f"{path}: simulated verification failure")
 
-    monkeypatch.setattr(artifacts, "load_artifact", reject)
+    monkeypatch.setattr(artifact_read, "load_artifact", reject)
     with pytest.raises(ModelFileError, match="simulated verification failure"):
         canned_trace(good_artifact)
     assert seen and seen[0] != good_artifact  # the files were verified in a temporary directory ...
@@ -345,7 +349,7 @@ def test_failed_swap_restores_previous_artifact(canned_trace, good_artifact, mon
 
     monkeypatch.setattr(os, "rename", flaky_rename)
     # Where the OS has no atomic exchange the swap is two renames; the second one fails here.
-    monkeypatch.setattr(artifacts, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(artifact_write, "_exchange", lambda a, b: False)
     with pytest.raises(OSError, match="simulated rename failure"):
         canned_trace(good_artifact)
     monkeypatch.undo()
@@ -383,7 +387,7 @@ def test_exports_into_an_empty_existing_directory(canned_trace, tmp_path):
 
 def test_config_of_another_family_is_a_config_error(tmp_path):
     spec = get_preset("decoder-small")
-    with pytest.raises(ConfigError, match="ProbedBlockConfig.*DecoderConfig"):
+    with pytest.raises(ConfigError, match="ProbedBlockConfig.*LlamaConfig"):
         export_model(spec.build(), "block", spec.config, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

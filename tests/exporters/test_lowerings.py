@@ -15,22 +15,23 @@ from click.testing import CliRunner
 
 from exporters.lowerings import MS_DOMAIN, unsupported_backends
 from exporters.onnx_export import export_model
-from models.llama import DecoderConfig
+from models.llama import LlamaConfig
 from models.registry import build_model, get_family
 from runners.eager import model_from_artifact
 from runners.registry import create_runner
-from toolkit.check import cross_check
+from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from toolkit.configs import get_preset
-from toolkit.errors import BackendUnavailableError, ExportError
+from models.presets import get_preset
+from artifact.errors import BackendUnavailableError, ExportError
+from models.artifacts import artifact_config
 
 # The block family (hand-set weights) and a GQA stack; block-small and decoder-small go the same way.
 CHECKED_PRESETS = ("worked-example", "decoder-small-gqa")
 BACKENDS = {"standard": ("eager", "ort-cpu", "onnx-reference"), "ort": ("eager", "ort-cpu")}
 # head_width 8: ONNX Runtime's GroupQueryAttention takes it (the presets' head widths 2 and 4 it refuses).
-GQA_CONFIG = DecoderConfig(vocab_size=64, layers=2, width=32, heads=4, kv_heads=2, ff_width=48, max_positions=32)
+GQA_CONFIG = LlamaConfig(vocab_size=64, layers=2, width=32, heads=4, kv_heads=2, ff_width=48, max_positions=32)
 # head_width 16: GroupQueryAttention also rotates (do_rotary), so Q/K/V stay packed in one tensor.
-PACKED_CONFIG = DecoderConfig(vocab_size=64, layers=2, width=64, heads=4, kv_heads=2, ff_width=48, max_positions=32)
+PACKED_CONFIG = LlamaConfig(vocab_size=64, layers=2, width=64, heads=4, kv_heads=2, ff_width=48, max_positions=32)
 
 
 def ops(artifact) -> collections.Counter:
@@ -78,19 +79,19 @@ def test_standard_is_plain_opset_23(preset_exports):
     assert {(o.domain, o.version) for o in proto.opset_import} == {("", 23)}
     assert not proto.functions
     counts = ops(artifact)
-    layers = artifact.config().layers
+    layers = artifact_config(artifact).layers
     assert counts["", "Attention"] == layers
     assert counts["", "RotaryEmbedding"] == 2 * layers  # queries and keys
     assert counts["", "RMSNormalization"] == 2 * layers + 1  # two per block and the final norm
     assert not any(domain for domain, _ in counts)
-    manifest = artifact.manifest
+    manifest = artifact.manifest.to_dict()
     assert (manifest["lowering"], manifest["opset"], manifest["custom_domains"]) == ("standard", 23, {})
 
 
 def test_ort_fuses_residual_adds_and_projections(preset_exports):
     artifact = preset_exports["decoder-small-gqa", "ort"]
     counts = ops(artifact)
-    layers = artifact.config().layers
+    layers = artifact_config(artifact).layers
     # Every norm after the first reads a residual sum, so it carries that add.
     assert counts[MS_DOMAIN, "SkipSimplifiedLayerNormalization"] == 2 * layers
     assert counts["", "RMSNormalization"] == 1
@@ -98,8 +99,8 @@ def test_ort_fuses_residual_adds_and_projections(preset_exports):
     # One MatMul for Q/K/V, one for gate/up, o_proj, down_proj per block, plus the head.
     assert counts["", "MatMul"] == 4 * layers + 1
     # Head width 4: GroupQueryAttention refuses it, the opset-23 Attention kernel runs instead.
-    assert artifact.graphs[0].entry["attention_op"] == "Attention (opset 23)"
-    assert artifact.manifest["custom_domains"] == {MS_DOMAIN: 1}
+    assert artifact.graphs[0].entry.attention_op == "Attention (opset 23)"
+    assert artifact.manifest.custom_domains == {MS_DOMAIN: 1}
 
 
 @pytest.mark.parametrize("lowering", ["standard", "ort"])
@@ -112,12 +113,12 @@ def test_eager_reference_rebuilds_the_exported_weights(preset_exports, lowering)
         torch.testing.assert_close(rebuilt[name], tensor, rtol=0, atol=0, msg=name)
     if lowering == "ort":
         weights = preset_exports["decoder-small-gqa", lowering].graphs[0].weights
-        assert weights["block.0.attention.k_proj.weight"]["slice"] == [1, 16, 24]  # after 4 heads x 4 of Q
+        assert weights["block.0.attention.k_proj.weight"].slice == (1, 16, 24)  # after 4 heads x 4 of Q
 
 
 def test_kv_cache_decode_steps_on_every_lowering(serving_exports):
     _, artifacts = serving_exports
-    assert artifacts["ort"].graphs[0].entry["attention_op"] == "com.microsoft::GroupQueryAttention"
+    assert artifacts["ort"].graphs[0].entry.attention_op == "com.microsoft::GroupQueryAttention"
     assert ops(artifacts["ort"])[MS_DOMAIN, "GroupQueryAttention"] == GQA_CONFIG.layers
     for lowering, artifact in artifacts.items():
         report = cross_check(artifact, BACKENDS[lowering], decode_steps=3)
@@ -143,15 +144,15 @@ def test_packed_gqa_rotates_inside_the_kernel(packed_export, serving_exports):
     proto = onnx.load(str(packed_export.model_path))
     for node in (n for n in proto.graph.node if n.op_type == "GroupQueryAttention"):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        pairing = packed_export.config().rope_pairing
+        pairing = artifact_config(packed_export).rope_pairing
         assert (attrs["do_rotary"], attrs["rotary_interleaved"]) == (1, int(pairing == "interleaved"))
         assert list(node.input[1:3]) == ["", ""] and node.input[9] == "position_ids"
-    entry = packed_export.graphs[0].entry
+    entry = packed_export.graphs[0].entry.data
     assert (entry["rotary_op"], entry["kv_cache"]) == ("inside GroupQueryAttention (do_rotary)", "shared-buffer")
     # Head width 8 is below the rotating kernel's multiple of 16: separate RotaryEmbedding nodes remain.
     small = ops(serving_exports[1]["ort"])
     assert small[MS_DOMAIN, "RotaryEmbedding"] == 2 * GQA_CONFIG.layers
-    assert serving_exports[1]["ort"].graphs[0].entry["rotary_op"] == "com.microsoft::RotaryEmbedding"
+    assert serving_exports[1]["ort"].graphs[0].entry.data["rotary_op"] == "com.microsoft::RotaryEmbedding"
 
 
 def test_packed_gqa_decode_steps_pass_check(packed_export):
@@ -170,7 +171,7 @@ def test_packed_gqa_padded_batch_matches_the_oracle(packed_export, positions):
 
 def assert_padded_batch_matches_the_oracle(artifact, positions, seed: int) -> None:
     """Two rows, a left-padded cache of 5 and 3 new tokens at `positions`: ort-cpu against float64 eager."""
-    c = artifact.config()
+    c = artifact_config(artifact)
     rng = np.random.default_rng(seed)
     batch, past, new = 2, 5, 3
     feed = {"input_ids": rng.integers(0, c.vocab_size, (batch, new)),
@@ -214,7 +215,7 @@ def test_gpu_backends_are_refused_for_float32_group_query_attention(packed_expor
     why = unsupported_backends(packed_export.manifest)
     assert set(why) == {"onnx-reference", "ort-cuda", "ort-trt"}
     assert "takes float16 and bfloat16 only, and this artifact is float32; re-export with --dtype float16" in why["ort-cuda"]
-    as_float16 = dict(packed_export.manifest, dtype="float16")
+    as_float16 = dataclasses.replace(packed_export.manifest, dtype="float16")
     assert set(unsupported_backends(as_float16)) == {"onnx-reference"}
     # The opset-23 Attention fallback (head width 4) has no such limit.
     assert set(unsupported_backends(preset_exports["decoder-small-gqa", "ort"].manifest)) == {"onnx-reference"}

@@ -23,10 +23,10 @@ from exporters.precision import check_supported, convert_array, to_dtype
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from runners.eager import model_from_artifact
 from runners.registry import check_backend, create_runner
-from toolkit.check import cross_check
+from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from toolkit.configs import get_preset
-from toolkit.errors import BackendUnavailableError, ExportError
+from models.presets import get_preset
+from artifact.errors import BackendUnavailableError, ExportError
 
 ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -221,12 +221,12 @@ def exported_dtype(tmp_path_factory):
 
 def test_float16_export_declares_its_dtype_and_keeps_the_weight_map(exported_dtype):
     artifact = exported_dtype("decoder-small", "float16")
-    assert artifact.manifest["dtype"] == "float16"
+    assert artifact.manifest.dtype == "float16"
     graph = artifact.graph()
-    assert {o["dtype"] for o in graph.entry["outputs"]} == {"float16"}
-    assert [s["dtype"] for s in graph.input_specs] == ["int64"]
+    assert {o.dtype for o in graph.entry.outputs} == {"float16"}
+    assert [s.dtype for s in graph.input_specs] == ["int64"]
     proto = onnx.load(graph.model_path)
-    params = {graph.weights[n]["initializer"] for n, _ in get_preset("decoder-small").build().named_parameters()}
+    params = {graph.weights[n].initializer for n, _ in get_preset("decoder-small").build().named_parameters()}
     assert {i.data_type for i in proto.graph.initializer if i.name in params} == {TensorProto.FLOAT16}
     # The rebuilt reference holds the float16-rounded weights of the original model, widened exactly.
     rebuilt = model_from_artifact(artifact).state_dict()
@@ -264,7 +264,7 @@ def test_float16_check_fails_when_a_backend_is_off_by_five_percent(exported_dtyp
 
 def test_float16_kv_cache_decode_matches_the_oracle(exported_dtype):
     artifact = exported_dtype("decoder-small", "float16", "serving")
-    assert {s["dtype"] for s in artifact.input_specs if s["name"].startswith("past.")} == {"float16"}
+    assert {s.dtype for s in artifact.input_specs if s.name.startswith("past.")} == {"float16"}
     report = cross_check(artifact, ["eager", "ort-cpu"], batch=1, sequence=3, decode_steps=2)
     assert report.passed, [(b.name, b.first_divergence) for b in report.backends]
     assert "decode.1.logits" in report.stages
@@ -272,7 +272,7 @@ def test_float16_kv_cache_decode_matches_the_oracle(exported_dtype):
 
 def test_bfloat16_preset_passes_on_reference_and_eager_and_ort_cpu_is_refused(exported_dtype):
     artifact = exported_dtype("block-small", "bfloat16")
-    assert artifact.manifest["dtype"] == "bfloat16"
+    assert artifact.manifest.dtype == "bfloat16"
     with pytest.raises(BackendUnavailableError, match=r"'ort-cpu' cannot run bfloat16.*use .*eager.*onnx-reference"):
         check_backend("ort-cpu", "bfloat16")
     with pytest.raises(BackendUnavailableError, match="ort-cpu.*bfloat16"):

@@ -6,14 +6,14 @@ import pytest
 
 from exporters import onnx_export, replicate
 from models.gpt import GPTConfig
-from models.llama import DecoderConfig
+from models.llama import LlamaConfig
 from models.registry import build_model, get_family
 from runners.registry import create_runner
-from toolkit.check import default_inputs, graph_feed
+from toolkit.check.crosscheck import default_inputs, graph_feed
 
 CASES = {
     # GQA with half pairing is the SmolLM2 shape; the serving graph threads per-block cache inputs.
-    "llama-serving": ("llama", DecoderConfig(layers=3, kv_heads=2, rope_pairing="half"), "serving"),
+    "llama-serving": ("llama", LlamaConfig(layers=3, kv_heads=2, rope_pairing="half"), "serving"),
     # GPT: LayerNorm, learned positions, biases, and every per-block stage as a graph output.
     "gpt-stages": ("gpt", GPTConfig(layers=3), "stages"),
 }
@@ -32,8 +32,8 @@ def _export_both(tmp_path, monkeypatch, family, config, variant):
 def test_replicated_graph_computes_what_the_full_trace_computes(case, tmp_path, monkeypatch):
     family, config, variant = CASES[case]
     replicated, traced = _export_both(tmp_path, monkeypatch, family, config, variant)
-    assert replicated.graphs[0].entry["traced_blocks"] == 1
-    assert traced.graphs[0].entry["traced_blocks"] == config.layers
+    assert replicated.graphs[0].entry.data["traced_blocks"] == 1
+    assert traced.graphs[0].entry.data["traced_blocks"] == config.layers
     assert replicated.graphs[0].input_specs == traced.graphs[0].input_specs
     assert replicated.graphs[0].output_names == traced.graphs[0].output_names
 
@@ -56,23 +56,23 @@ def test_replicated_graph_computes_what_the_full_trace_computes(case, tmp_path, 
     # The weight map replicate wrote is the one a byte search of the file finds (tied names included).
     model = build_model(family, config, seed=3)
     proto = onnx.load(replicated.graphs[0].model_path)
-    assert replicated.graphs[0].weights == onnx_export._weight_map(model, proto)
+    assert replicated.graphs[0].entry.data["weights"] == onnx_export._weight_map(model, proto)
     assert set(replicated.graphs[0].weights) == set(model.state_dict())
 
 
 def test_every_block_gets_its_own_weights(tmp_path):
-    config = DecoderConfig(layers=3)
+    config = LlamaConfig(layers=3)
     model = build_model("llama", config, seed=5)
     artifact = onnx_export.export_model(model, "llama", config, tmp_path / "a", variant="serving")
     proto = onnx.load(artifact.graphs[0].model_path)
     initializers = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
     for name, where in artifact.graphs[0].weights.items():
-        stored = initializers[where["initializer"]]
+        stored = initializers[where.initializer]
         expected = model.state_dict()[name].numpy()
-        np.testing.assert_array_equal(stored.T if where["transpose"] else stored, expected, err_msg=name)
+        np.testing.assert_array_equal(stored.T if where.transpose else stored, expected, err_msg=name)
     # ... and each block's nodes read that block's initializers, not block 0's copies.
     consumed = {x for node in proto.graph.node for x in node.input}
-    names = [artifact.graphs[0].weights[f"block.{i}.attention.q_proj.weight"]["initializer"] for i in range(3)]
+    names = [artifact.graphs[0].weights[f"block.{i}.attention.q_proj.weight"].initializer for i in range(3)]
     assert len(set(names)) == 3 and set(names) <= consumed
     for i in range(3):
         block = [n for n in proto.graph.node if names[i] in n.input]
@@ -80,7 +80,7 @@ def test_every_block_gets_its_own_weights(tmp_path):
 
 
 def test_a_value_leaving_the_block_sideways_makes_it_trace_the_whole_model():
-    config = DecoderConfig(layers=2)
+    config = LlamaConfig(layers=2)
     model = build_model("llama", config, seed=0)
     small_config, small = replicate.one_block_model(model, "llama", config)
     (graph,) = get_family("llama").graphs(small_config)

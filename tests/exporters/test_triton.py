@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from exporters.triton import config_pbtxt, write_triton_repo
 from toolkit.cli import main
-from toolkit.errors import ExportError, ModelFileError
+from artifact.errors import ExportError, ModelFileError
 
 
 def _schema():

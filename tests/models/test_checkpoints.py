@@ -28,10 +28,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from exporters.onnx_export import export_model  # noqa: E402
 from models.checkpoints import import_checkpoint  # noqa: E402
-from runners.generate import CachedLM  # noqa: E402
+from runners.decoding.generate import CachedLM  # noqa: E402
 from runners.registry import create_runner  # noqa: E402
-from toolkit.check import graph_feed  # noqa: E402
-from toolkit.errors import ModelFileError  # noqa: E402
+from toolkit.check.crosscheck import graph_feed  # noqa: E402
+from artifact.errors import ModelFileError  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 VOCAB, WIDTH, HEADS, FF, LAYERS, MAX_POS = 50, 32, 4, 40, 2, 32
@@ -209,7 +209,7 @@ def serving_exports(tmp_path_factory):
 @pytest.mark.parametrize("key", ["llama", "gpt2"])
 def test_serving_export_on_ort_matches_transformers(serving_exports, key):
     hf, imported, artifact = serving_exports[key]
-    assert artifact.manifest["source"] == imported.source
+    assert artifact.manifest.source == imported.source
     ids = ids_for(VOCAB, batch=3, seq=9, seed=11)
     out = create_runner("ort-cpu", artifact).run(graph_feed(artifact.graph(), {"input_ids": ids}, {}))
     want = hf_logits(hf, ids)

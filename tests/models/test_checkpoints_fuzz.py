@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf", reason="gguf is needed to write GGUF test files")
 
 from models.checkpoints import import_checkpoint  # noqa: E402
-from toolkit.errors import ModelFileError  # noqa: E402
+from artifact.errors import ModelFileError  # noqa: E402
 
 CASES = 2000
 SETTINGS = settings(max_examples=CASES, deadline=None, derandomize=True, database=None,

@@ -15,7 +15,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="gguf is needed to write GGUF test files")
 
 from models.checkpoints import check_gguf_header, import_checkpoint  # noqa: E402
-from toolkit.errors import ModelFileError  # noqa: E402
+from artifact.errors import ModelFileError  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -97,7 +97,7 @@ def test_metadata_only_file(tmp_path):
 
 def test_the_real_smollm2_file(tmp_path):
     """49k tokens, 48k merges, Q4_1/Q8_0/F32 tensors: every value and every tensor byte as the reader has them."""
-    from toolkit.bench import smollm2_gguf
+    from toolkit.bench.bench import smollm2_gguf
 
     try:
         path = smollm2_gguf()

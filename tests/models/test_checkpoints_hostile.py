@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf", reason="gguf is needed to write GGUF test fil
 
 from models import checkpoints  # noqa: E402
 from models.checkpoints import check_gguf_header, check_safetensors_header, import_checkpoint  # noqa: E402
-from toolkit.errors import ModelFileError  # noqa: E402
+from artifact.errors import ModelFileError  # noqa: E402
 
 LLAMA = {"model_type": "llama", "vocab_size": 8, "hidden_size": 4, "num_attention_heads": 2, "num_hidden_layers": 1,
          "intermediate_size": 8}
@@ -255,7 +255,7 @@ def llama_gguf(tmp_path: Path, **overrides) -> Path:
     ("attention.head_count", 2.5, r"llama\.attention\.head_count is 2\.5; expected an integer"),
     ("attention.layer_norm_rms_epsilon", "tiny", r"layer_norm_rms_epsilon is 'tiny'; expected a finite number"),
     ("attention.layer_norm_rms_epsilon", float("nan"), r"layer_norm_rms_epsilon is nan; expected a finite number"),
-    ("embedding_length", 5, r"DecoderConfig"),  # the config's own check: width not divisible by heads
+    ("embedding_length", 5, r"LlamaConfig"),  # the config's own check: width not divisible by heads
 ])
 def test_gguf_metadata_of_the_wrong_type(tmp_path, key, value, pattern):
     with pytest.raises(ModelFileError, match=r"meta\.gguf: .*" + pattern):

@@ -27,9 +27,9 @@ from exporters.onnx_export import export_model
 from models.encoder_decoder import EncoderDecoder, EncoderDecoderBlock, EncoderDecoderConfig
 from models.layers import sinusoidal_table
 from models.registry import build_model, encoder_decoder_formula, get_family, initialize
-from toolkit.check import cross_check
-from toolkit.configs import get_preset
-from toolkit.errors import ConfigError, InputError
+from toolkit.check.crosscheck import cross_check
+from models.presets import get_preset
+from artifact.errors import ConfigError, InputError
 
 BACKENDS = ["eager", "ort-cpu", "onnx-reference"]
 PRE = ("attention_norm", "attention_weights", "attention_branch", "after_attention")
@@ -586,9 +586,9 @@ def test_export_writes_an_encoder_graph_and_a_decoder_graph(exported):
     assert files == ["decoder.onnx", "encoder.onnx", "manifest.json"]
     encoder, decoder = artifact.graphs
     assert (encoder.name, decoder.name) == ("encoder", "decoder")
-    assert [s["name"] for s in encoder.input_specs] == ["source_ids"]
-    assert [s["name"] for s in decoder.input_specs] == ["input_ids", "encoder_output"]
-    assert decoder.input_specs[1]["shape"] == ["batch", "source_sequence", 16]
+    assert [s.name for s in encoder.input_specs] == ["source_ids"]
+    assert [s.name for s in decoder.input_specs] == ["input_ids", "encoder_output"]
+    assert list(decoder.input_specs[1].shape) == ["batch", "source_sequence", 16]
     assert encoder.output_names[-1] == "encoder_output" and decoder.output_names[-1] == "logits"
     # each graph holds only its own side's weights
     assert all(name.startswith("encoder.") for name in encoder.weights)

@@ -18,8 +18,8 @@ import torch
 
 from models.gpt import GPT, GPTConfig
 from models.registry import build_model, get_family
-from toolkit.configs import get_preset
-from toolkit.errors import ConfigError, InputError
+from models.presets import get_preset
+from artifact.errors import ConfigError, InputError
 
 BLOCK_STAGES = ("attention_norm", "attention_weights", "attention_branch", "after_attention",
                 "feed_forward_norm", "feed_forward_branch", "output")

@@ -17,24 +17,24 @@ import torch
 
 from exporters.onnx_export import export_model
 from models.gpt import GPTConfig
-from models.llama import DecoderConfig
+from models.llama import LlamaConfig
 from models.registry import build_model
-from runners.generate import CachedLM
+from runners.decoding.generate import CachedLM
 from runners.registry import create_runner
-from toolkit.configs import get_preset
-from toolkit.errors import InputError
+from models.presets import get_preset
+from artifact.errors import InputError
 
 # Every attention/norm/RoPE leg: MHA and GQA/MQA, pre and post norm, interleaved and half RoPE, GPT.
 EAGER_CASES = {
-    "mha-interleaved-pre": ("llama", DecoderConfig(vocab_size=40, layers=2, width=16, heads=4, ff_width=24,
+    "mha-interleaved-pre": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, ff_width=24,
                                                    max_positions=16, rope_base=50.0)),
-    "gqa-interleaved-untied": ("llama", DecoderConfig(vocab_size=40, layers=2, width=16, heads=4, kv_heads=2,
+    "gqa-interleaved-untied": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, kv_heads=2,
                                                       ff_width=24, max_positions=16, tie_embeddings=False)),
-    "mqa-half-pre": ("llama", DecoderConfig(vocab_size=40, layers=3, width=24, heads=3, kv_heads=1, ff_width=24,
+    "mqa-half-pre": ("llama", LlamaConfig(vocab_size=40, layers=3, width=24, heads=3, kv_heads=1, ff_width=24,
                                             max_positions=16, rope_pairing="half", rope_base=30.0)),
-    "gqa-half-post": ("llama", DecoderConfig(vocab_size=40, layers=2, width=16, heads=4, kv_heads=2, ff_width=24,
+    "gqa-half-post": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, kv_heads=2, ff_width=24,
                                              max_positions=16, rope_pairing="half", norm_placement="post")),
-    "mha-interleaved-post": ("llama", DecoderConfig(vocab_size=40, layers=2, width=16, heads=2, ff_width=24,
+    "mha-interleaved-post": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=2, ff_width=24,
                                                     max_positions=16, norm_placement="post")),
     "gpt": ("gpt", GPTConfig(vocab_size=40, width=16, heads=4, ff_width=32, context=16, layers=2,
                              attention_bias=True, activation="gelu_tanh")),
@@ -102,7 +102,7 @@ def test_eager_cache_overflow_is_refused():
 # --------------------------------------------------------------------------- exported serving graphs
 
 # One layer keeps the export cheap; the multi-layer cache plumbing is covered by decoder-small.
-CUSTOM = DecoderConfig(vocab_size=40, layers=1, width=16, heads=4, kv_heads=2, ff_width=24, max_positions=12,
+CUSTOM = LlamaConfig(vocab_size=40, layers=1, width=16, heads=4, kv_heads=2, ff_width=24, max_positions=12,
                        rope_pairing="half", norm_placement="post", tie_embeddings=False, rope_base=50.0)
 
 
@@ -141,8 +141,8 @@ def test_serving_graph_decodes_like_the_full_forward(serving, backend):
     got = np.concatenate(got, axis=1)
     scale = max(1.0, float(np.abs(want).max()))
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-5 * scale)
-    for name in lm.cache_names:
-        value = lm.cache[name]  # numpy, or an OrtValue on the IO-binding path
+    for name in lm.kv.names:
+        value = lm.kv.values[name]  # numpy, or an OrtValue on the IO-binding path
         shape = value.shape if isinstance(value, np.ndarray) else value.shape()
         assert tuple(shape) == kv_shape(config, 3, sum(schedule)), name
 
@@ -194,7 +194,8 @@ def test_cache_overflow_is_refused_before_the_backend(serving, backend, monkeypa
     lm = CachedLM(create_runner(backend, artifact), m)
     lm.step(np.zeros((1, m - 1), np.int64))
     lm.runner._infer = never_infer
-    lm.session = None if lm.session is None else object()  # any use of the session would fail
+    if hasattr(lm.runner, "session"):
+        lm.runner.session = object()  # any use of the session would fail
     with pytest.raises(InputError, match=rf"{m - 1} cached \+ 2 new positions exceed max_positions={m}"):
         lm.step(np.zeros((1, 2), np.int64))
 

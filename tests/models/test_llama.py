@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.llama import BlockConfig, DecoderBlock, DecoderConfig, ProbedBlockConfig
+from models.llama import BlockConfig, LlamaBlock, LlamaConfig, ProbedBlockConfig
 from models.registry import build_model
 from models.worked_example import build_worked_example, worked_example_config, worked_example_inputs
-from toolkit.errors import ConfigError, InputError
+from artifact.errors import ConfigError, InputError
 
 PRE_STAGES = (
     "attention_norm",
@@ -136,7 +136,7 @@ def _block_model(seed=0, **overrides):
 def _decoder_model(seed=0, **overrides):
     fields = dict(vocab_size=11, layers=2, width=8, heads=2, ff_width=12, max_positions=8)
     fields.update(overrides)
-    return build_model("llama", DecoderConfig(**fields), seed=seed)
+    return build_model("llama", LlamaConfig(**fields), seed=seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def _decoder_model(seed=0, **overrides):
 @pytest.mark.parametrize("kv_heads", [None, 1])
 def test_block_stage_names_order_and_shapes(placement, expected, kv_heads):
     c = BlockConfig(width=8, heads=2, ff_width=12, max_positions=8, norm_placement=placement, kv_heads=kv_heads)
-    block = DecoderBlock(c).double()
+    block = LlamaBlock(c).double()
     B, T = 2, 5
     stages = block(_randn((B, T, 8), 0))
     assert tuple(stages) == expected
@@ -400,7 +400,7 @@ def test_block_parameter_count(width, heads, ff, expected):
 
 
 def test_block_parameter_names_and_order():
-    block = DecoderBlock(BlockConfig(width=8, heads=2, ff_width=12))
+    block = LlamaBlock(BlockConfig(width=8, heads=2, ff_width=12))
     assert tuple(n for n, _ in block.named_parameters()) == PARAMETER_NAMES
     probed = _block_model()
     assert tuple(n for n, _ in probed.named_parameters()) == tuple(f"block.0.{n}" for n in PARAMETER_NAMES)
@@ -413,7 +413,7 @@ def test_block_parameter_names_and_order():
 
 def test_block_parameter_shapes():
     c = ProbedBlockConfig(width=8, heads=4, kv_heads=2, ff_width=12)
-    shapes = {n: tuple(p.shape) for n, p in DecoderBlock(c).named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in LlamaBlock(c).named_parameters()}
     assert shapes == {
         "attention_norm.weight": (8,),
         "attention.q_proj.weight": (8, 8),
@@ -475,9 +475,9 @@ def test_build_model_leaves_global_rng_untouched():
 def test_build_model_wrong_config_class_raises_and_leaves_rng_untouched():
     torch.manual_seed(7)
     before = torch.get_rng_state()
-    with pytest.raises(ConfigError, match=r"family 'block' expects a ProbedBlockConfig, got DecoderConfig"):
-        build_model("block", DecoderConfig())
-    with pytest.raises(ConfigError, match=r"family 'llama' expects a DecoderConfig, got ProbedBlockConfig"):
+    with pytest.raises(ConfigError, match=r"family 'block' expects a ProbedBlockConfig, got LlamaConfig"):
+        build_model("block", LlamaConfig())
+    with pytest.raises(ConfigError, match=r"family 'llama' expects a LlamaConfig, got ProbedBlockConfig"):
         build_model("llama", ProbedBlockConfig())
     with pytest.raises(ConfigError, match=r"unknown model family 'no-such-family'"):
         build_model("no-such-family", ProbedBlockConfig())
@@ -549,18 +549,18 @@ def test_block_config_rejects_non_positive_sizes(field, value):
 @pytest.mark.parametrize(
     "fields,pattern",
     [
-        (dict(vocab_size=0), r"DecoderConfig\.vocab_size: expected a positive integer, got 0"),
-        (dict(vocab_size=-1), r"DecoderConfig\.vocab_size: expected a positive integer, got -1"),
-        (dict(layers=0), r"DecoderConfig\.layers: expected a positive integer, got 0"),
-        (dict(layers=-1), r"DecoderConfig\.layers: expected a positive integer, got -1"),
-        (dict(layers=True), r"DecoderConfig\.layers: expected a positive integer, got True"),
-        (dict(tie_embeddings=1), r"DecoderConfig\.tie_embeddings: expected true or false, got 1"),
-        (dict(width=16, heads=3), r"DecoderConfig\.heads: expected a divisor of width=16, got 3"),
+        (dict(vocab_size=0), r"LlamaConfig\.vocab_size: expected a positive integer, got 0"),
+        (dict(vocab_size=-1), r"LlamaConfig\.vocab_size: expected a positive integer, got -1"),
+        (dict(layers=0), r"LlamaConfig\.layers: expected a positive integer, got 0"),
+        (dict(layers=-1), r"LlamaConfig\.layers: expected a positive integer, got -1"),
+        (dict(layers=True), r"LlamaConfig\.layers: expected a positive integer, got True"),
+        (dict(tie_embeddings=1), r"LlamaConfig\.tie_embeddings: expected true or false, got 1"),
+        (dict(width=16, heads=3), r"LlamaConfig\.heads: expected a divisor of width=16, got 3"),
     ],
 )
 def test_decoder_config_rejects(fields, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        DecoderConfig(**fields)
+        LlamaConfig(**fields)
 
 
 @pytest.mark.parametrize("value", [0, -1])
@@ -574,7 +574,7 @@ def test_config_errors_are_value_errors():
         BlockConfig(width=0)
 
 
-@pytest.mark.parametrize("cls", [BlockConfig, DecoderConfig, ProbedBlockConfig])
+@pytest.mark.parametrize("cls", [BlockConfig, LlamaConfig, ProbedBlockConfig])
 def test_from_dict_unknown_key(cls):
     with pytest.raises(ConfigError, match=rf"{cls.__name__}: unknown field 'widht'; valid fields are .*width"):
         cls.from_dict({"widht": 8})
@@ -588,12 +588,12 @@ def test_from_dict_rejects_derived_field_and_non_dict():
 
 
 def test_from_dict_round_trip_and_validation():
-    c = DecoderConfig(vocab_size=11, layers=1, width=8, heads=4, kv_heads=2, ff_width=6, rope_pairing="half")
+    c = LlamaConfig(vocab_size=11, layers=1, width=8, heads=4, kv_heads=2, ff_width=6, rope_pairing="half")
     d = c.to_dict()
     assert "head_width" not in d and d["kv_heads"] == 2 and d["vocab_size"] == 11
-    assert DecoderConfig.from_dict(d) == c
-    with pytest.raises(ConfigError, match=r"DecoderConfig\.layers: expected a positive integer, got 0"):
-        DecoderConfig.from_dict({**d, "layers": 0})
+    assert LlamaConfig.from_dict(d) == c
+    with pytest.raises(ConfigError, match=r"LlamaConfig\.layers: expected a positive integer, got 0"):
+        LlamaConfig.from_dict({**d, "layers": 0})
 
 
 def test_kv_heads_default_and_head_width():
@@ -611,7 +611,7 @@ def test_eps_zero_is_accepted_and_finite():
 
 
 # ---------------------------------------------------------------------------------------------
-# Decoder
+# LlamaDecoder
 
 
 def test_decoder_tied_head_shares_embedding():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from models.receipts import IGNORE_INDEX, causality_receipt, gradient_receipt, padding_receipt, token_cross_entropy
 from models.registry import build_model
-from toolkit.configs import get_preset
+from models.presets import get_preset
 
 LLAMA_PRESETS = ["decoder-small", "decoder-small-gqa", "decoder-small-post"]
 LM_PRESETS = ["gpt-tiny", *LLAMA_PRESETS]

@@ -13,7 +13,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.tokenizer import TextTokenizer
-from toolkit.errors import ModelFileError
+from artifact.errors import ModelFileError
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.llama import DecoderConfig, ProbedBlockConfig
+from models.llama import LlamaConfig, ProbedBlockConfig
 from runners.base import Runner, check_feed
-from toolkit.errors import InputError
+from artifact.errors import InputError
 
 HIDDEN = [{"name": "hidden_states", "dtype": "float32", "shape": ["batch", "sequence", 4]}]
 IDS = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}]
@@ -20,7 +20,7 @@ TWO_SOURCE = [
     {"name": "source_ids", "dtype": "int64", "shape": ["batch", "source_sequence"]},
 ]
 BLOCK = ProbedBlockConfig(width=4, heads=2, ff_width=4, max_positions=8, probe_width=2)
-DECODER = DecoderConfig(vocab_size=10, layers=1, width=4, heads=2, ff_width=4, max_positions=8)
+DECODER = LlamaConfig(vocab_size=10, layers=1, width=4, heads=2, ff_width=4, max_positions=8)
 
 
 def hidden(shape=(2, 3, 4), dtype=np.float32):
@@ -135,7 +135,7 @@ def test_feed_with_non_string_keys_is_an_input_error_not_a_sort_crash():
 
 
 def test_a_spec_dtype_numpy_does_not_know_is_a_model_file_error():
-    from toolkit.errors import ModelFileError
+    from artifact.errors import ModelFileError
 
     specs = [{"name": "x", "dtype": "no-such-dtype", "shape": [1]}]
     with pytest.raises(ModelFileError, match=r"input 'x': the model declares dtype 'no-such-dtype'"):

@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.llama import DecoderConfig
+from models.llama import LlamaConfig
 from runners.base import check_feed
-from toolkit.errors import InputError
+from artifact.errors import InputError
 
 # The generator's own casts (complex -> real, huge -> small ints) warn; they are the point of the mutation.
 pytestmark = pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning", "ignore::RuntimeWarning")
 CASES = 2000
-CONFIG = DecoderConfig(vocab_size=10, layers=1, width=4, heads=2, ff_width=4, max_positions=6)
+CONFIG = LlamaConfig(vocab_size=10, layers=1, width=4, heads=2, ff_width=4, max_positions=6)
 SPECS = [
     {"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]},
     {"name": "position_ids", "dtype": "int64", "shape": ["batch", "sequence"]},

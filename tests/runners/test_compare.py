@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from runners.compare import Comparison, Tolerance, ToleranceConfig, compare
-from toolkit.errors import ComparisonError, ConfigError
+from artifact.errors import ComparisonError, ConfigError
 
 LOOSE = Tolerance(atol=0.1, rtol=0.01, multiple=2.0)
 

@@ -14,8 +14,8 @@ import torch
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-import toolkit.check as check_module
-from runners.generate import CachedLM
+import toolkit.check.crosscheck as check_module
+from runners.decoding.generate import CachedLM
 from runners.ort import (
     DISABLE_CPU_FALLBACK,
     SessionLoader,
@@ -26,9 +26,9 @@ from runners.ort import (
     to_ortvalue,
 )
 from runners.registry import available_backends, check_backend, create_runner
-from toolkit.check import cross_check
+from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from toolkit.errors import BackendUnavailableError, ModelFileError
+from artifact.errors import BackendUnavailableError, ModelFileError
 
 ORT_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 TORCH_CUDA = torch.cuda.is_available()
@@ -233,7 +233,7 @@ def test_ort_cuda_decode_keeps_the_cache_on_the_gpu(exported):
     lm = CachedLM(runner, 32)
     lm.step(np.array([[1, 2, 3]], np.int64))
     lm.step(np.array([[4]], np.int64))
-    assert all("cuda" in value.device_name().lower() for value in lm.cache.values())
+    assert all("cuda" in value.device_name().lower() for value in lm.kv.values.values())
     reference = CachedLM(create_runner("eager-f64", exported("decoder-small", "serving")), 32)
     reference.step(np.array([[1, 2, 3]], np.int64))
     want = reference.step(np.array([[4]], np.int64))

@@ -11,8 +11,8 @@ import torch
 
 from runners.ort import OrtRunner, SessionLoader, available_providers
 from runners.registry import available_backends, check_backend, create_runner
-from toolkit.configs import get_preset
-from toolkit.errors import BackendUnavailableError, InputError, ModelFileError
+from models.presets import get_preset
+from artifact.errors import BackendUnavailableError, InputError, ModelFileError
 
 CUDA_AVAILABLE = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 

@@ -21,13 +21,14 @@ import torch
 from onnx import numpy_helper
 
 from exporters.onnx_export import export_model
-from models.llama import DecoderConfig, ProbedBlockConfig
+from models.llama import LlamaConfig, ProbedBlockConfig
 from models.registry import build_model
 from runners.registry import create_runner
-from toolkit.artifacts import MANIFEST_FILE, load_artifact
-from toolkit.check import cross_check, graph_feed
-from toolkit.configs import get_preset
-from toolkit.errors import InputError
+from artifact import MANIFEST_FILE
+from models.artifacts import open_artifact
+from toolkit.check.crosscheck import cross_check, graph_feed
+from models.presets import get_preset
+from artifact.errors import InputError
 
 RANDOM_CONFIGS = {
     # post-norm block, grouped-query attention, Hugging Face ("half") RoPE pairing, eps = 0
@@ -35,7 +36,7 @@ RANDOM_CONFIGS = {
         width=8, heads=4, kv_heads=2, ff_width=12, max_positions=10, rope_pairing="half", norm_placement="post",
         probe_width=3, eps=0.0, rope_base=100.0)),
     # untied stacked decoder, multi-query attention (1 KV head), half pairing
-    "llama-untied-mqa-half": ("llama", 5, DecoderConfig(
+    "llama-untied-mqa-half": ("llama", 5, LlamaConfig(
         vocab_size=13, layers=2, width=8, heads=2, kv_heads=1, ff_width=10, max_positions=9, rope_pairing="half",
         tie_embeddings=False, rope_base=500.0)),
 }
@@ -50,7 +51,7 @@ def random_exports(tmp_path_factory):
     for key, (family, seed, config) in RANDOM_CONFIGS.items():
         directory = tmp_path_factory.mktemp(key) / "artifact"
         export_model(build_model(family, config, seed), family, config, directory, seed=seed)
-        out[key] = (load_artifact(directory), family, seed, config)
+        out[key] = (open_artifact(directory), family, seed, config)
     return out
 
 
@@ -196,7 +197,7 @@ def test_corrupted_weight_fails_at_the_first_downstream_stage(case, weight, stag
     artifact = case[0]
     target = tmp_path / "corrupted"
     corrupt_weight(artifact.directory, target, weight)
-    report = cross_check(load_artifact(target), batch=2, sequence=4)
+    report = cross_check(open_artifact(target), batch=2, sequence=4)
     assert not report.passed
     divergence = report.first_divergence
     assert divergence["stage"] == stage

@@ -13,9 +13,11 @@ import torch
 
 from runners.reference import ReferenceRunner
 from runners.registry import create_runner
-from toolkit.artifacts import MANIFEST_FILE, MODEL_FILE, load_artifact
-from toolkit.configs import get_preset
-from toolkit.errors import InputError, ModelFileError
+from artifact import MANIFEST_FILE, MODEL_FILE
+from models.artifacts import open_artifact
+from models.presets import get_preset
+from artifact.errors import InputError, ModelFileError
+from models.artifacts import artifact_config
 
 
 def float64_oracle(preset: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -61,7 +63,7 @@ def test_outputs_match_float64_eager(exported, preset, batch, seq):
 def test_runner_from_an_in_memory_proto(exported):
     artifact = exported("block-small")
     proto = onnx.load(str(artifact.model_path))
-    runner = ReferenceRunner(proto, artifact.input_specs, ["logits"], artifact.config())
+    runner = ReferenceRunner(proto, artifact.input_specs, ["logits"], artifact_config(artifact))
     x = np.random.default_rng(1).standard_normal((1, 3, 12)).astype(np.float32)
     out = runner.run({"hidden_states": x})
     assert list(out) == ["logits"]
@@ -98,4 +100,4 @@ def test_model_truncated_at_a_field_boundary_is_a_model_file_error(exported, tmp
     entry["sha256" if "graphs" in manifest else "model_sha256"] = hashlib.sha256(truncated).hexdigest()
     (target / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(ModelFileError):
-        create_runner("onnx-reference", load_artifact(target))
+        create_runner("onnx-reference", open_artifact(target))

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from models.worked_example import build_worked_example, worked_example_inputs
-from toolkit.artifacts import MANIFEST_FILE, MODEL_FILE
+from artifact import MANIFEST_FILE, MODEL_FILE
 from toolkit.cli import main
 
 CUDA_AVAILABLE = "CUDAExecutionProvider" in onnxruntime.get_available_providers()

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from numpy.lib import format as npy
 
-from toolkit.artifacts import MAX_MODEL_BYTES_ENV
+from artifact import MAX_MODEL_BYTES_ENV
 from toolkit.commands.common import load_npz
-from toolkit.errors import InputError
+from artifact.errors import InputError
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

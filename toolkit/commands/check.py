@@ -12,15 +12,16 @@ from exporters.onnx_export import export_model
 from runners.compare import load_tolerances
 from runners.registry import DEFAULT_BACKENDS, check_backend, artifact_dtype, dtype_unsupported
 from runners.ort import placement_line
-from toolkit.artifacts import load_artifact
-from toolkit.check import cross_check
+from models.artifacts import open_artifact
+from toolkit.check.crosscheck import cross_check
 from toolkit.commands.common import load_npz, split_backends, write_text_atomically
-from toolkit.configs import get_preset
-from toolkit.errors import BackendUnavailableError, ConfigError
-from toolkit.golden import check_inputs_fit, compare_with_golden, load_golden, save_golden
-from toolkit.html_report import _pyplot, render_html
-from toolkit.localize import localize_report
-from toolkit.reports import text_table, to_json, to_junit
+from models.presets import get_preset
+from artifact.errors import BackendUnavailableError, ConfigError
+from toolkit.check.golden import check_inputs_fit, compare_with_golden, load_golden, save_golden
+from toolkit.check.html_report import render_html
+from toolkit.plotting import pyplot
+from toolkit.check.localize import localize_report
+from toolkit.check.reports import text_table, to_json, to_junit
 
 
 @click.command("check")
@@ -68,14 +69,14 @@ def command(artifact_dir, preset, backends, inputs_file, batch, seq_len, seed, d
         golden = load_golden(golden_dir)
         inputs = golden.inputs
     if html_file:
-        _pyplot()  # a missing matplotlib fails now, not after the check
+        pyplot("--html")  # a missing matplotlib fails now, not after the check
     with tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:
         if artifact_dir is None:
             spec = get_preset(preset or "worked-example")
             artifact_dir = Path(tmp) / spec.name
             export_model(spec.build(), spec.family, spec.config, artifact_dir, preset=spec.name, seed=spec.seed)
             click.echo(f"exported preset {spec.name!r} to a temporary directory")
-        artifact = load_artifact(artifact_dir)
+        artifact = open_artifact(artifact_dir)
         unsupported = unsupported_backends(artifact.manifest)
         unsupported.update(dtype_unsupported(artifact_dtype(artifact)))
         if backends is None:

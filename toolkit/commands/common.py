@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from toolkit.errors import InputError, ToolkitError
+from artifact.errors import InputError, ToolkitError
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:
@@ -44,7 +44,7 @@ def save_npz_atomically(path: str | Path, arrays: dict[str, np.ndarray]) -> None
 def load_npz(path: str | Path) -> dict[str, np.ndarray]:
     """Read an --inputs .npz: plain arrays only (never pickles), each member's header checked against
     the member's size before numpy allocates for it, the total bounded by $TOOLKIT_MAX_MODEL_BYTES."""
-    from toolkit.artifacts import max_model_bytes
+    from artifact import max_model_bytes
 
     path = Path(path)
     if not path.is_file():

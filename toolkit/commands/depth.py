@@ -6,7 +6,8 @@ import json
 
 import click
 
-from models.experiments import depth_experiment, plot, render_table
+from models.experiments import depth_experiment, render_table
+from toolkit.explain.depth import plot
 
 
 @click.command("depth")

@@ -8,8 +8,8 @@ import click
 
 from exporters.lowerings import DEFAULT_LOWERING, LOWERINGS
 from exporters.onnx_export import VARIANTS, export_model
-from toolkit.configs import get_preset, load_config_file
-from toolkit.errors import ConfigError
+from models.presets import get_preset, load_config_file
+from artifact.errors import ConfigError
 
 
 def resolve_model(preset: str | None, config: str | None):
@@ -63,13 +63,13 @@ def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, trit
     click.echo(f"exported {label} ({artifact.family}, {artifact.variant}{precision}) to {out_dir}:")
     if lowering != DEFAULT_LOWERING:
         click.echo(f"  lowering {lowering}: " + "; ".join(
-            f"{g.model_path.name} attention {g.entry['attention_op']}" for g in artifact.graphs))
+            f"{g.model_path.name} attention {g.entry.attention_op}" for g in artifact.graphs))
     for graph in artifact.graphs:
         click.echo(f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
-                   f"{', '.join(graph.entry['custom_ops']) or 'none'}, sha256 {graph.entry['sha256'][:12]}")
+                   f"{', '.join(graph.entry.custom_ops) or 'none'}, sha256 {graph.entry.sha256[:12]}")
     if triton_repo:
         from exporters.triton import write_triton_repo
 
-        name = artifact.manifest.get("preset") or Path(out_dir).name
+        name = artifact.manifest.preset or Path(out_dir).name
         target = write_triton_repo(artifact, triton_repo, name, device=triton_device, instances=triton_instances)
         click.echo(f"wrote Triton model {name!r} to {target} ({triton_device}, {triton_instances} instance(s))")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import click
 
-from models.tokenizer import TextTokenizer
-from runners.generate import CachedLM, Sampling, generate
+from models.artifacts import artifact_config, open_artifact
+from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
-from toolkit.artifacts import load_artifact
-from toolkit.errors import ModelFileError
+from toolkit.serve.streaming import TextStream, load_tokenizer
 
 
 @click.command("generate")
@@ -23,29 +22,21 @@ from toolkit.errors import ModelFileError
 @click.option("--backend", default="ort-cpu", show_default=True, help="eager, ort-cpu, onnx-reference, ...")
 def command(artifact_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, backend):
     """Generate text from ARTIFACT_DIR (an export made with --from), streaming it to stdout."""
-    artifact = load_artifact(artifact_dir)
-    if artifact.directory is None or not (artifact.directory / "tokenizer.json").is_file():
-        raise ModelFileError(f"{artifact_dir}: no tokenizer in the artifact; export a checkpoint with --from")
-    tokenizer = TextTokenizer.from_artifact(artifact.directory)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tokenizer.encode(text)
-    lm = CachedLM(create_runner(backend, artifact), artifact.config().max_positions)
-    emitted = ""
-    tokens: list[int] = []
+    artifact = open_artifact(artifact_dir)
+    tokenizer = load_tokenizer(artifact, artifact_dir)
+    prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    prompt_ids = tokenizer.encode(prompt_text)
+    lm = CachedLM(create_runner(backend, artifact), artifact_config(artifact).max_positions)
+    text = TextStream(tokenizer.decode)  # whole characters as they complete; flush() gives what is held back
 
     def stream(token: int) -> None:
-        nonlocal emitted
-        tokens.append(token)
-        text_so_far = tokenizer.decode(tokens)
-        # Emit only completed characters: a partial UTF-8 sequence decodes to U+FFFD until it is whole.
-        if not text_so_far.endswith("\ufffd") and text_so_far.startswith(emitted):
-            click.echo(text_so_far[len(emitted):], nl=False)
-            emitted = text_so_far
+        if delta := text.push(token):
+            click.echo(delta, nl=False)
 
     stop = tuple(t for t in (tokenizer.eos_id,) if t is not None)
     result = generate(lm, prompt_ids, max_new_tokens=max_new_tokens,
                       sampling=Sampling(temperature, top_k, top_p, seed), stop_ids=stop, on_token=stream)
-    click.echo(tokenizer.decode(tokens)[len(emitted):])  # flush what was held back (a partial character)
+    click.echo(text.flush())
     click.echo(f"[{len(result.tokens)} tokens, finish: {result.finish_reason}, prompt {len(prompt_ids)} tokens "
                f"prefill {result.prefill_seconds * 1e3:.0f} ms, decode {result.decode_tokens_per_second:.1f} tokens/s "
                f"on {backend}]", err=True)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from toolkit.inspection import describe
+from toolkit.explain.inspect import describe
 
 
 def _shape(shape) -> str:

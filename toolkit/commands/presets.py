@@ -7,8 +7,8 @@ import json
 import click
 
 from models.registry import get_family
-from toolkit.configs import PRESETS
-from toolkit.inspection import parameter_ledger
+from models.presets import PRESETS
+from toolkit.explain.inspect import parameter_ledger
 
 
 def preset_rows() -> list[dict]:

@@ -7,7 +7,8 @@ import json
 import click
 
 from toolkit.commands.common import write_text_atomically
-from toolkit.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, GREEDY_TOKENS, quantize_artifact
+from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
+from toolkit.quantize.pipeline import GREEDY_TOKENS, quantize_artifact
 
 
 @click.command("quantize")
@@ -39,6 +40,6 @@ def command(artifact_dir, bits, block_size, algorithm, accuracy_level, greedy_to
                f"({q['perplexity_tokens']} tokens)")
     if json_file:
         report = {"artifact": str(out_dir), "source": str(artifact_dir),
-                  **{k: v for k, v in result.artifact.manifest["quantization"].items() if k != "quality"},
+                  **{k: v for k, v in result.artifact.manifest.quantization.items() if k != "quality"},
                   "quality": q}
         write_text_atomically(json_file, json.dumps(report, indent=2, sort_keys=True) + "\n")

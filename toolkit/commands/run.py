@@ -6,8 +6,8 @@ import click
 import numpy as np
 
 from runners.registry import create_runner
-from toolkit.artifacts import load_artifact
-from toolkit.check import default_inputs, graph_feed
+from models.artifacts import open_artifact
+from toolkit.check.crosscheck import default_inputs, graph_feed
 from toolkit.commands.common import load_npz, save_npz_atomically
 
 
@@ -19,7 +19,7 @@ from toolkit.commands.common import load_npz, save_npz_atomically
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
 def command(artifact_dir, backend, inputs_file, save_file, seed):
     """Run ARTIFACT_DIR on one backend; graphs run in order, each fed by the ones before it."""
-    artifact = load_artifact(artifact_dir)
+    artifact = open_artifact(artifact_dir)
     if inputs_file:
         inputs, source = load_npz(inputs_file), inputs_file
     else:
@@ -28,7 +28,7 @@ def command(artifact_dir, backend, inputs_file, save_file, seed):
     for graph in artifact.graphs:
         runner = create_runner(backend, artifact, graph.name)
         feed = graph_feed(graph, inputs, outputs)
-        unknown = sorted(set(inputs) - {s["name"] for g in artifact.graphs for s in g.input_specs})
+        unknown = sorted(set(inputs) - {s.name for g in artifact.graphs for s in g.input_specs})
         if unknown and graph is artifact.graphs[0]:
             feed.update({name: inputs[name] for name in unknown})  # let the feed check name them
         outputs.update(runner.run(feed))

@@ -22,7 +22,7 @@ def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens)
 
     import uvicorn
 
-    from toolkit.server import create_app
+    from toolkit.serve.app import create_app
 
     class Server(uvicorn.Server):
         """uvicorn re-raises the captured signal after its graceful shutdown, so a SIGTERM'd server

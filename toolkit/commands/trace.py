@@ -6,7 +6,7 @@ import json
 
 import click
 
-from toolkit.trace import render_text, worked_example_trace
+from toolkit.explain.walkthrough import render_text, worked_example_trace
 
 
 @click.command("trace")

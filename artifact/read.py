@@ -1,0 +1,313 @@
+"""Loading artifacts and ONNX files defensively: every file is treated as hostile.
+
+Sizes are checked before anything is read, hashes before anything is parsed, and
+the parsed graph (IR version, opsets, external-data locations, the ONNX checker)
+before any runtime is handed the file. Each refusal is its own ModelFileError
+subclass (artifact.errors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import onnx
+
+from artifact.errors import (ConfigError, CorruptModelError, ExternalDataError, HashMismatchError, ModelFileError,
+                             ModelTooLargeError, UnsupportedOpsetError)
+from artifact.format import (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, MANIFEST_FILE, METADATA_KEY, Artifact,
+                             GraphArtifact, parse_manifest)
+from artifact.hashing import sha256_bytes, sha256_file
+from artifact.protobuf import NotText, all_tensors, decode_strings, is_external, weightless
+from artifact.write import glob_escape, write_artifact
+
+# The one allow-list of operator sets a loaded graph may import: {domain: newest version accepted}.
+# The default domain goes up to the newest opset the installed onnx knows (exports use
+# exporters.functions.OPSET; a "standard" lowering uses 23); "com.microsoft" is ONNX Runtime's
+# contrib domain (the "ort" lowering). Anything else, or anything newer, is refused.
+ALLOWED_OPSETS: dict[str, int] = {
+    "": onnx.defs.onnx_opset_version(),
+    "ai.onnx": onnx.defs.onnx_opset_version(),
+    CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION,
+    "com.microsoft": 1,
+}
+MAX_MODEL_BYTES_ENV = "TOOLKIT_MAX_MODEL_BYTES"
+DEFAULT_MAX_MODEL_BYTES = 4 << 30  # 4 GiB: twice the 2 GiB protobuf limit of a graph file, room for external data
+# A manifest is a few kilobytes (one weight-map line per tensor); this bound only stops a hostile
+# file from being read into memory and parsed into Python objects at many times its size.
+MAX_MANIFEST_BYTES = 16 << 20
+# Packed types whose elements are narrower than a byte (numpy's stand-in dtype is wider).
+_SUB_BYTE_TYPES = {getattr(onnx.TensorProto, name): bits for name, bits in
+                   (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)) if hasattr(onnx.TensorProto, name)}
+
+
+def max_model_bytes(override: int | None = None) -> int:
+    """The size limit: `override` if given, else $TOOLKIT_MAX_MODEL_BYTES, else 4 GiB."""
+    if override is not None:
+        value, source = override, "max_bytes"
+    else:
+        raw = os.environ.get(MAX_MODEL_BYTES_ENV)
+        if raw is None or not raw.strip():
+            return DEFAULT_MAX_MODEL_BYTES
+        source = f"${MAX_MODEL_BYTES_ENV}"
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{source}={raw!r}: expected a positive number of bytes, e.g. {DEFAULT_MAX_MODEL_BYTES}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}={value!r}: expected a positive number of bytes")
+    return value
+
+
+def _check_size(path: Path, size: int, limit: int, what: str = "model") -> None:
+    if size > limit:
+        raise ModelTooLargeError(
+            f"{path}: {what} is {size:,} bytes, above the limit of {limit:,}; "
+            f"raise it with ${MAX_MODEL_BYTES_ENV} or max_bytes= if you trust this file"
+        )
+
+def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> Artifact:
+    """Load an artifact directory (manifest + graphs, hashes checked) or a lone single-graph .onnx file.
+
+    Every graph file is size-checked, hash-checked and validated (validate_onnx) here, so a runtime
+    that later opens `model_path` only ever sees a file that passed. max_bytes overrides
+    $TOOLKIT_MAX_MODEL_BYTES.
+    """
+    limit = max_model_bytes(max_bytes)
+    path = Path(path)
+    if not path.exists():
+        aside = sorted(path.parent.glob(f".{glob_escape(path.name)}.old-*")) if path.name else []
+        if aside:
+            raise ModelFileError(f"{path}: missing; an interrupted write left the previous artifact at {aside[-1]}; "
+                                 "the next export to this path restores it (or rename it back)")
+        raise ModelFileError(f"{path}: no such file or directory; pass an artifact directory from `toolkit export`")
+    if not path.is_dir():
+        return _load_lone_onnx(path, limit)
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise ModelFileError(f"{path}: missing {MANIFEST_FILE}; is this a `toolkit export` directory?")
+    _check_inside(manifest_path, path)
+    manifest_size = manifest_path.stat().st_size
+    if manifest_size > MAX_MANIFEST_BYTES:
+        raise ModelFileError(f"{manifest_path}: {manifest_size:,} bytes, above the {MAX_MANIFEST_BYTES:,} a manifest "
+                             "may have; this is not a manifest `toolkit export` wrote")
+    try:
+        manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ModelFileError(f"{manifest_path}: not valid JSON ({reason}); re-run `toolkit export`") from None
+    typed = parse_manifest(manifest, manifest_path)
+    graphs = []
+    for entry in typed.graphs:
+        model_path = path / entry.file
+        if not model_path.is_file():
+            raise ModelFileError(f"{path}: missing {entry.file}; re-run `toolkit export`")
+        _check_inside(model_path, path)
+        _check_size(model_path, model_path.stat().st_size, limit)
+        # The hash is checked on the bytes validate_onnx reads, before it parses them (one read, not two).
+        validate_onnx(model_path, max_bytes=limit, sha256=entry.sha256)
+        graphs.append(GraphArtifact(entry.name, model_path, entry))
+    for name, digest in typed.extra_files.items():
+        extra = path / name
+        if not extra.is_file():
+            raise ModelFileError(f"{extra}: missing (the manifest lists it); re-export")
+        _check_inside(extra, path)
+        _check_size(extra, extra.stat().st_size, limit, "file")
+        _check_hash(extra, digest, "re-export")
+    return Artifact(directory=path, manifest=typed, graphs=graphs)
+
+
+def _load_lone_onnx(path: Path, limit: int) -> Artifact:
+    model = validate_onnx(path, max_bytes=limit)
+    props = {p.key: p.value for p in model.metadata_props}
+    if METADATA_KEY not in props:
+        raise ModelFileError(f"{path}: ONNX file has no {METADATA_KEY} metadata; it was not written by `toolkit export`")
+    try:
+        manifest = json.loads(props[METADATA_KEY])
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ModelFileError(f"{path}: embedded manifest is not valid JSON ({exc})") from None
+    typed = parse_manifest(manifest, path, needs_hash=False)
+    if len(typed.graphs) != 1:
+        raise ModelFileError(
+            f"{path}: is the {manifest.get('graph')!r} graph of a {len(manifest['graphs'])}-graph artifact; "
+            "pass the artifact directory instead"
+        )
+    entry = typed.graphs[0]
+    return Artifact(directory=None, manifest=typed, graphs=[GraphArtifact(entry.name, path, entry)])
+
+
+def _check_hash(path: Path, expected: str, advice: str, data: bytes | None = None) -> None:
+    actual = sha256_file(path) if data is None else sha256_bytes(data)
+    if actual != expected:
+        raise HashMismatchError(
+            f"{path}: sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…; {advice}"
+        )
+
+
+def _check_inside(path: Path, directory: Path) -> None:
+    """Refuse a file that is (or, through symlinks, resolves to) something outside `directory`."""
+    real, root = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    if real != root and root not in real.parents:
+        raise ExternalDataError(f"{path}: resolves to {real}, outside {root}; refusing to read it")
+
+
+def load_onnx(path: Path, *, max_bytes: int | None = None):
+    """Read and validate an ONNX file (validate_onnx), then attach its external data, if any."""
+    model = validate_onnx(path, max_bytes=max_bytes)
+    if any(is_external(t) for t in all_tensors(model)):
+        from onnx.external_data_helper import load_external_data_for_model
+
+        try:
+            load_external_data_for_model(model, str(Path(path).parent))
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+            raise ExternalDataError(f"{path}: cannot read its external data ({exc})") from None
+    return model
+
+
+def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | None = None):
+    """The checks every ONNX file passes before a runtime sees it; returns the parsed model without its
+    external data. Order: size (from stat), the sha256 of the bytes read (when the manifest gives
+    one), parse, IR version and opsets, external-data locations (and their sizes), the ONNX checker.
+    """
+    from google.protobuf.message import DecodeError
+
+    limit = max_model_bytes(max_bytes)
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            _check_size(path, size, limit)
+            data = handle.read(size + 1)
+    except OSError as exc:
+        raise ModelFileError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
+    if sha256 is not None:
+        _check_hash(path, sha256, "the model was modified or corrupted, re-run `toolkit export`", data)
+    try:
+        model = onnx.ModelProto.FromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise CorruptModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it") from None
+    del data
+    try:
+        decode_strings(model)
+    except UnicodeDecodeError as exc:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (a text field is not UTF-8: {exc.reason}); "
+                                "re-export it") from None
+    except NotText as exc:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (text field {exc} is not UTF-8); "
+                                "re-export it") from None
+    if not model.HasField("graph") or model.ir_version < 1:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (no graph or no IR version: truncated or not "
+                                "an ONNX file); re-export it")
+    _check_opsets(model, path)
+    external = _check_external_data(model, path)
+    _check_size(path, size + external, limit, "model with its external data")
+    raw_sizes = check_initializer_sizes(model, path)
+    try:
+        # With external data the checker must know the model's directory to find (and confine) the files.
+        onnx.checker.check_model(str(path) if external else weightless(model, raw_sizes=raw_sizes))
+    except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
+                                "re-export it") from None
+    return model
+
+
+
+def check_initializer_sizes(model: onnx.ModelProto, path: Path) -> list[int]:
+    """Raw initializer bytes must be exactly what their dims and dtype say (a header lie otherwise).
+    Returns len(raw_data) of each initializer, in order."""
+    raw_sizes = []
+    for tensor in model.graph.initializer:
+        raw_size = len(tensor.raw_data)
+        raw_sizes.append(raw_size)
+        if not raw_size or tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+            continue
+        try:
+            bits = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * 8
+        except (KeyError, TypeError, ValueError):
+            continue  # the checker judges dtypes
+        if tensor.data_type in _SUB_BYTE_TYPES:
+            bits = _SUB_BYTE_TYPES[tensor.data_type]
+        count = 1
+        for dim in tensor.dims:
+            if dim < 0:
+                raise CorruptModelError(f"{path}: initializer {tensor.name!r} has a negative dimension {dim}; "
+                                        "re-export it")
+            count *= dim
+        expected = (count * bits + 7) // 8
+        if raw_size != expected:
+            raise CorruptModelError(
+                f"{path}: initializer {tensor.name!r} holds {raw_size} bytes, its shape "
+                f"{list(tensor.dims)} and dtype need {expected}; re-export it")
+    return raw_sizes
+
+
+
+def _check_opsets(model, path: Path) -> None:
+    if model.ir_version > onnx.IR_VERSION:
+        raise UnsupportedOpsetError(f"{path}: ONNX IR version {model.ir_version} is newer than this toolkit's "
+                                    f"onnx reads ({onnx.IR_VERSION}); upgrade onnx or re-export")
+    imports = [("model", o) for o in model.opset_import]
+    imports += [(f"function {f.domain}::{f.name}", o) for f in model.functions for o in f.opset_import]
+    for owner, opset in imports:
+        known = ALLOWED_OPSETS.get(opset.domain)
+        if known is None:
+            raise UnsupportedOpsetError(
+                f"{path}: {owner} imports operator domain {opset.domain!r} (version {opset.version}), which this "
+                f"toolkit does not know; known domains: {_known_opsets()}"
+            )
+        if not 1 <= opset.version <= known:
+            raise UnsupportedOpsetError(
+                f"{path}: {owner} imports {opset.domain or 'the default domain'!s} version {opset.version}; "
+                f"this toolkit reads versions 1..{known}; known: {_known_opsets()}"
+            )
+
+
+def _known_opsets() -> str:
+    return ", ".join(f"{domain or 'default'}<={version}" for domain, version in ALLOWED_OPSETS.items())
+
+
+def _check_external_data(model, path: Path) -> int:
+    """Refuse external-data references that could read outside the model's directory; return their total size."""
+    root = Path(os.path.realpath(path.parent))
+    sizes: dict[Path, int] = {}
+    for tensor in all_tensors(model):
+        if not is_external(tensor):
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        where = f"{path}: tensor {tensor.name!r} external data location {location!r}"
+        if not location or "\0" in location:
+            raise ExternalDataError(f"{where}: empty or invalid; re-export the model")
+        pure = Path(location)
+        if pure.is_absolute() or location.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", location):
+            raise ExternalDataError(f"{where} is an absolute path; external data must sit in the model's directory")
+        if ".." in re.split(r"[\\/]", location):
+            raise ExternalDataError(f"{where} climbs out with '..'; external data must sit in the model's directory")
+        real = Path(os.path.realpath(root / location))
+        if root not in real.parents:
+            raise ExternalDataError(f"{where} resolves to {real}, outside {root} (a symlink?); refusing to read it")
+        if not real.is_file():
+            raise ExternalDataError(f"{where}: no such file next to the model")
+        size = sizes.setdefault(real, real.stat().st_size)
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", size))
+        except ValueError:
+            raise ExternalDataError(f"{where}: offset/length are not integers") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ExternalDataError(f"{where}: bytes [{offset}, {offset + length}) lie outside the {size}-byte file")
+    return sum(sizes.values())
+
+
+def write_and_load(out_dir: Path, files: dict[str, bytes]) -> Artifact:
+    """write_artifact verified by load_artifact (every check, hashes included) on the temporary
+    directory; returns that artifact at out_dir. The swap renames the very files that were loaded,
+    so they are not read and checked a second time."""
+    loaded = []
+    write_artifact(out_dir, files, verify=lambda tmp: loaded.append(load_artifact(tmp)))
+    (artifact,) = loaded
+    directory = Path(out_dir)
+    graphs = [GraphArtifact(g.name, directory / g.entry.file, g.entry) for g in artifact.graphs]
+    return Artifact(directory=directory, manifest=artifact.manifest, graphs=graphs)

@@ -1,0 +1,204 @@
+"""Writing artifacts all-or-nothing: a temporary sibling directory, fsynced, swapped in atomically.
+
+Also the atomic single-file writers the reports and golden files use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from artifact.errors import ModelFileError, ToolkitError
+from artifact.format import MANIFEST_FILE, METADATA_KEY
+from artifact.hashing import sha256_bytes
+from artifact.protobuf import serialize_model
+
+
+def pack_artifact(manifest: dict, protos: dict, extra_files: dict[str, bytes] | None = None, *,
+                  embedded=None, before_serialise=None, keep_protos: bool = False) -> dict[str, bytes]:
+    """The files of an artifact, ready for write_artifact: each graph of `manifest["graphs"]` (its ModelProto
+    in `protos`, keyed by graph name) with the manifest embedded in its metadata, serialised and hashed into
+    its manifest entry; then the extra files; then manifest.json.
+
+    embedded(manifest) -> dict: what each graph embeds (the manifest itself by default); it is taken graph by
+    graph, so a later graph's copy records the hashes of the graphs before it. before_serialise(entry,
+    proto) may check the finished graph. A graph's proto is dropped once serialised unless keep_protos.
+    """
+    files = {}
+    for entry in manifest["graphs"]:
+        proto = protos[entry["name"]] if keep_protos else protos.pop(entry["name"])
+        del proto.metadata_props[:]
+        embed = dict(embedded(manifest) if embedded is not None else manifest, graph=entry["name"])
+        proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(embed, sort_keys=True))
+        if before_serialise is not None:
+            before_serialise(entry, proto)
+        data = serialize_model(proto)
+        entry["sha256"] = sha256_bytes(data)
+        files[entry["file"]] = data
+        del data, proto
+    files.update(extra_files or {})
+    files[MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+    return files
+
+
+def is_artifact_dir(path: Path) -> bool:
+    return (path / MANIFEST_FILE).is_file()
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse an output path that is a file or a non-empty directory holding no artifact."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ModelFileError(f"output path {out_dir} exists and is not a directory; choose another --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_artifact_dir(out_dir):
+        raise ModelFileError(
+            f"output directory {out_dir} is not empty and holds no {MANIFEST_FILE}; "
+            "refusing to overwrite it, choose an empty or new --out"
+        )
+
+
+def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> None:
+    """Write files into out_dir all-or-nothing.
+
+    Everything goes into a sibling temporary directory first (each file fsynced);
+    `verify(tmp_dir)` may inspect it; only then is it swapped in, in one atomic
+    exchange where the OS offers it. A failure or a kill at any point leaves an
+    existing artifact at out_dir untouched and loadable; what a killed writer
+    left behind is cleared by the next write. A non-empty directory that is not
+    an artifact is never replaced.
+    """
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir)
+    parent = out_dir.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _write_lock(parent):
+        _clear_leftovers(parent, out_dir.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+        try:
+            for name, data in files.items():
+                if Path(name).name != name or name in (".", ".."):
+                    raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
+                with open(tmp / name, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            if verify is not None:
+                verify(tmp)
+            swap_in(tmp, out_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _write_lock(parent: Path):
+    """Serialise writers in one parent directory, so leftovers found under the lock are a dead writer's.
+
+    flock is released by the kernel when its holder dies, even by SIGKILL.
+    """
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def _clear_leftovers(parent: Path, name: str) -> None:
+    """Remove what a killed writer left; if it died between the two renames of a fallback swap, restore."""
+    olds = sorted(parent.glob(f".{glob_escape(name)}.old-*"), key=lambda p: p.stat().st_mtime)
+    target = parent / name
+    if not target.exists() and olds:
+        os.rename(olds.pop(), target)  # the previous artifact, moved aside moments before the kill
+    for leftover in olds + list(parent.glob(f".{glob_escape(name)}.tmp-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the OS or filesystem can't."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Replace `target` with the finished directory `tmp` (same parent); on failure `target` is restored.
+
+    With an atomic exchange `target` always names a complete directory; afterwards `tmp` holds the
+    old one and is removed. Without it, `target` is moved aside first; a kill between the two
+    renames is repaired by the next write_artifact (_clear_leftovers).
+    """
+    tmp, target = Path(tmp), Path(target)
+    if target.exists():
+        if _exchange(tmp, target):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.resolve().parent))
+        os.rmdir(old)
+        os.rename(target, old)
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+
+
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    path = Path(path)
+    if path.is_dir():
+        raise ToolkitError(f"{path} is a directory; give a file path for the report")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_npz_atomically(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

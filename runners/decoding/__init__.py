@@ -1,0 +1,1 @@
+"""Decoding on any runner: KV-cache feeds, sampling, generation and continuous batching."""

@@ -1,0 +1,331 @@
+"""`toolkit quantize`: MatMulNBits int4/int8 artifacts checked against an independent numpy dequantizer.
+
+A one-layer llama decoder whose widths are multiples of every block size (64, 128: MatMulNBits
+blocks run along K = the input width) is exported once; int4 and int8 quantizations of it are made
+once. The oracle is written here from the com.microsoft MatMulNBits spec, not imported from
+exporters/quantize.py: unpack the uint8 blobs, w = (q - zero_point) * scale per K-block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from exporters.onnx_export import export_model
+from models.registry import build_model, get_family
+from runners.eager import model_from_artifact
+from runners.decoding.generate import CachedLM, generate
+from runners.registry import create_runner
+from tests.toolkit.test_cli import assert_user_error, invoke
+from models.artifacts import open_artifact
+from toolkit.check.crosscheck import cross_check
+from artifact.errors import ConfigError, ModelFileError
+from toolkit.quantize.pipeline import quantize_artifact
+from models.artifacts import artifact_config
+
+CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128,
+          "max_positions": 48}
+IDS = np.array([[3, 17, 42, 5, 88, 61, 0, 95, 23, 7]], dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    config = get_family("llama").config_from_dict(CONFIG)
+    out = tmp_path_factory.mktemp("quantize") / "float"
+    export_model(build_model("llama", config, seed=0), "llama", config, out, variant="serving")
+    return open_artifact(out)
+
+
+@pytest.fixture(scope="module")
+def quantized(source, tmp_path_factory):
+    """{4 | 8 | "hqq": (artifact, report from --json)} made through the CLI (rtn for 4 and 8 bits, hqq at 4)."""
+    base = tmp_path_factory.mktemp("quantized")
+    out = {}
+    for key, bits, algorithm in ((4, 4, "rtn"), (8, 8, "rtn"), ("hqq", 4, "hqq")):
+        target, report = base / f"int{key}", base / f"int{key}.json"
+        result = invoke("quantize", source.directory, "--bits", bits, "--block-size", 32, "--algorithm", algorithm,
+                        "--out", target, "--json", report)
+        assert result.exit_code == 0, (result.output, result.exception)
+        assert f"to {bits}-bit (block 32, {algorithm}" in result.stdout and "greedy agreement" in result.stdout
+        out[key] = (open_artifact(target), json.loads(report.read_text()))
+    return out
+
+
+def mnb_dequantize(proto: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
+    """Oracle from the MatMulNBits spec: the [K, N] float matrix node's B stands for."""
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    attrs = {a.name: a.i for a in node.attribute}
+    k, n, bits, block = attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"]
+    blocks = (k + block - 1) // block
+    blob = inits[node.input[1]].reshape(n, blocks, block * bits // 8)
+    scales = inits[node.input[2]].reshape(n, blocks)
+    zero_blob = inits[node.input[3]].reshape(n, -1)
+    w = np.zeros((k, n), dtype=np.float64)
+    for col in range(n):
+        for b in range(blocks):
+            if bits == 8:
+                q = blob[col, b].astype(np.int64)
+            else:  # two values per byte, the lower nibble first
+                q = np.array([(byte >> shift) & 0xF for byte in blob[col, b] for shift in (0, 4)], dtype=np.int64)
+            if zero_blob.dtype != np.uint8:  # float zero points (HQQ): one per block, unpacked
+                zp = float(zero_blob[col, b])
+            elif bits == 8:
+                zp = int(zero_blob[col, b])
+            else:  # packed like the values
+                zp = int((zero_blob[col, b // 2] >> (4 * (b % 2))) & 0xF)
+            rows = slice(b * block, min((b + 1) * block, k))
+            w[rows, col] = ((q - zp) * float(scales[col, b]))[: rows.stop - rows.start]
+    return w
+
+
+def float_matrices(source) -> dict[str, np.ndarray]:
+    """{torch name: W^T [in, out]} of every Linear weight (what a MatMul B is), from the float artifact."""
+    model = model_from_artifact(source)
+    return {name: p.detach().numpy().T.astype(np.float64) for name, p in model.state_dict().items()
+            if name.endswith("proj.weight") or name == "lm_head.weight"}
+
+
+def matched(source, proto):
+    """[(torch name, float W^T, dequantized, scales [K-blocks x N] expanded to [K, N])] for each MatMulNBits node,
+    each matched to the float matrix it is closest to (independent of the manifest's weight map)."""
+    floats = float_matrices(source)
+    out = []
+    for node in (n for n in proto.graph.node if n.op_type == "MatMulNBits"):
+        w_hat = mnb_dequantize(proto, node)
+        same = {name: w for name, w in floats.items() if w.shape == w_hat.shape}
+        name = min(same, key=lambda nm: np.abs(same[nm] - w_hat).max())
+        attrs = {a.name: a.i for a in node.attribute}
+        scales = numpy_helper.to_array(next(i for i in proto.graph.initializer if i.name == node.input[2]))
+        step = np.repeat(scales.reshape(attrs["N"], -1).T, attrs["block_size"], axis=0)[: attrs["K"]]
+        out.append((name, same[name], w_hat, step.astype(np.float64)))
+    return out
+
+
+def ort_logits(artifact, ids=IDS) -> np.ndarray:
+    runner = create_runner("ort-cpu", artifact)
+    lm = CachedLM(runner, artifact_config(artifact).max_positions)
+    return lm.step(ids).astype(np.float64)
+
+
+# --------------------------------------------------------------------------- the graph
+
+
+@pytest.mark.parametrize("key", [4, 8, "hqq"])
+def test_graph_has_matmulnbits_and_no_float_weight_for_quantized_matmuls(source, quantized, key):
+    artifact, _ = quantized[key]
+    bits = 8 if key == 8 else 4
+    proto = onnx.load(str(artifact.model_path))
+    c = artifact_config(artifact)
+    head_width = c.width // c.heads
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    # per layer q, k, v, o, gate, up, down; plus the vocabulary head
+    assert len(nodes) == 7 * c.layers + 1
+    shapes = sorted((a["K"], a["N"]) for a in ({x.name: x.i for x in n.attribute} for n in nodes))
+    expected = sorted([(c.width, c.heads * head_width), (c.width, c.kv_heads * head_width),
+                       (c.width, c.kv_heads * head_width), (c.heads * head_width, c.width),
+                       (c.width, c.ff_width), (c.width, c.ff_width), (c.ff_width, c.width)] * c.layers
+                      + [(c.width, c.vocab_size)])
+    assert shapes == expected
+    for node in nodes:
+        attrs = {a.name: a.i for a in node.attribute}
+        assert (attrs["bits"], attrs["block_size"]) == (bits, 32) and node.domain == "com.microsoft"
+    initializer_names = {i.name for i in proto.graph.initializer}
+    assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in initializer_names]
+    assert not proto.functions and not [n for n in proto.graph.node if n.domain == "onnx_toolkit"]
+    # No float copy of a projection weight survives (as stored or transposed); the embedding table does.
+    digests = {hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest()
+               for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+               for a in (numpy_helper.to_array(i), numpy_helper.to_array(i).T)}
+    for name, w in float_matrices(source).items():
+        f32 = w.astype(np.float32)
+        found = {hashlib.sha256(np.ascontiguousarray(f32).tobytes()).digest(),
+                 hashlib.sha256(np.ascontiguousarray(f32.T).tobytes()).digest()} & digests
+        assert bool(found) == (name == "lm_head.weight"), name  # tied: the Gather's float table stays
+    # Interface unchanged: the same inputs and outputs as the float export.
+    assert artifact.input_specs == source.input_specs
+    assert artifact.output_names == source.output_names
+
+
+def test_dequantized_weights_within_half_a_step_and_int8_finer(source, quantized):
+    errors = {}
+    for bits in (4, 8):
+        proto = onnx.load(str(quantized[bits][0].model_path))
+        pairs = matched(source, proto)
+        assert len({name for name, *_ in pairs}) == len(pairs)  # one node per float matrix
+        worst = 0.0
+        for name, w, w_hat, step in pairs:
+            # round-to-nearest: off by at most half a step of the element's block (plus float32 rounding)
+            assert np.all(np.abs(w - w_hat) <= 0.5 * step * (1 + 1e-5) + 1e-7), name
+            worst = max(worst, np.abs(w - w_hat).max() / np.abs(w).max())
+        errors[bits] = worst
+    assert errors[8] < errors[4] / 8  # 16x finer steps
+
+
+def test_logits_match_the_dequantized_oracle_and_int8_is_closer_to_float(source, quantized):
+    float_logits = ort_logits(source)
+    errors = {}
+    for bits in (4, 8, "hqq"):
+        artifact, _ = quantized[bits]
+        proto = onnx.load(str(artifact.model_path))
+        # Oracle: the float model in float64 with every quantized matrix replaced by the numpy dequantization;
+        # the head gets its own (quantized) matrix while the embedding keeps the float table.
+        config = dataclasses.replace(artifact_config(source), tie_embeddings=False)
+        state = {k: v.clone() for k, v in model_from_artifact(source).state_dict().items()}
+        for name, _, w_hat, _ in matched(source, proto):
+            state[name] = torch.from_numpy(w_hat.T.astype(np.float32))
+        oracle = build_model("llama", config, init=False)
+        oracle.load_state_dict(state)
+        with torch.no_grad():
+            expected = oracle.to(torch.float64)(torch.from_numpy(IDS))["logits"].numpy()
+        got = ort_logits(artifact)
+        assert np.abs(got - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+        errors[bits] = np.abs(got - float_logits).max()
+        assert 0 < errors[bits] < 0.5 * np.abs(float_logits).max()  # sane: a perturbation, not a new model
+    assert errors[8] < errors[4]
+    assert errors[8] < errors["hqq"]
+
+
+def test_hqq_has_float_zero_points_and_stays_within_the_block_range(source, quantized):
+    proto = onnx.load(str(quantized["hqq"][0].model_path))
+    inits = {i.name: i for i in proto.graph.initializer}
+    for node in (n for n in proto.graph.node if n.op_type == "MatMulNBits"):
+        assert inits[node.input[3]].data_type == onnx.TensorProto.FLOAT
+    for name, w, w_hat, step in matched(source, proto):
+        assert np.all(np.abs(w - w_hat) <= 16 * step), name  # 16 levels: never outside the block's range
+    assert quantized["hqq"][0].manifest.quantization["algorithm"] == "hqq"
+
+
+def test_manifest_records_the_quantization_and_quality(source, quantized):
+    source_hash = hashlib.sha256((source.directory / "manifest.json").read_bytes()).hexdigest()
+    for bits in (4, 8):
+        artifact, report = quantized[bits]
+        q = artifact.manifest.quantization
+        assert (q["bits"], q["block_size"], q["quantized_matmuls"]) == (bits, 32, 8)
+        assert q["source"]["manifest_sha256"] == source_hash
+        assert q["quantizer"]["onnxruntime"] == __import__("onnxruntime").__version__
+        assert "MatMulNBitsQuantizer" in q["quantizer"]["tool"]
+        assert report["quality"] == q["quality"] and report["bits"] == bits
+        quality = q["quality"]
+        assert 0 <= quality["greedy_agreement"] <= 1 and quality["greedy_positions"] > 0
+        assert quality["logits_max_abs"] >= quality["logits_mean_abs"] > 0
+        assert np.isfinite(quality["perplexity_float"]) and quality["perplexity_quantized"] > 1
+    int8, int4 = (quantized[bits][0].manifest.quantization["quality"] for bits in (8, 4))
+    assert int8["logits_max_abs"] < int4["logits_max_abs"]
+    assert int8["greedy_agreement"] >= int4["greedy_agreement"]
+    assert (abs(int8["perplexity_quantized"] - int8["perplexity_float"])
+            <= abs(int4["perplexity_quantized"] - int4["perplexity_float"]))
+
+
+def test_float_perplexity_matches_the_float64_eager_model(source, quantized):
+    from toolkit.quantize.pipeline import _fixed_inputs
+
+    _, text_ids, _ = _fixed_inputs(source, artifact_config(source))
+    ids = torch.tensor([text_ids])
+    with torch.no_grad():
+        logits = model_from_artifact(source).to(torch.float64)(ids)["logits"][0]  # (T, V)
+    # Each position predicts the next token: ppl = exp(mean -log p(ids[t+1] | ids[..t])).
+    nll = -torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None]).mean()
+    reported = quantized[8][0].manifest.quantization["quality"]["perplexity_float"]
+    assert reported == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+
+
+def test_quantized_artifact_generates_and_checks_against_its_dequantized_reference(quantized):
+    artifact, _ = quantized[4]
+    lm = CachedLM(create_runner("ort-cpu", artifact), artifact_config(artifact).max_positions)
+    result = generate(lm, [1, 2, 3], max_new_tokens=4)
+    assert len(result.tokens) == 4
+    report = cross_check(artifact, ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
+    assert report.passed, [(b.name, b.first_divergence) for b in report.backends]
+
+
+# --------------------------------------------------------------------------- errors and atomicity
+
+
+def test_bad_bits_and_block_size(source, tmp_path):
+    result = invoke("quantize", source.directory, "--bits", 3, "--out", tmp_path / "q")
+    assert result.exit_code == 2 and "Invalid value for '--bits'" in result.output
+    result = invoke("quantize", source.directory, "--bits", 4, "--block-size", 48, "--out", tmp_path / "q")
+    assert result.exit_code == 2 and "Invalid value for '--block-size'" in result.output
+    with pytest.raises(ConfigError, match="--bits: expected one of 4, 8, got 2"):
+        quantize_artifact(source.directory, tmp_path / "q", bits=2)
+    with pytest.raises(ConfigError, match="--block-size: expected one of 32, 64, 128, got 16"):
+        quantize_artifact(source.directory, tmp_path / "q", bits=4, block_size=16)
+    with pytest.raises(ConfigError, match="--algorithm hqq with --bits 8: .* use --algorithm rtn"):
+        quantize_artifact(source.directory, tmp_path / "q", bits=8, algorithm="hqq")
+    assert not (tmp_path / "q").exists()
+
+
+def test_not_an_artifact_and_output_problems(source, quantized, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_user_error(invoke("quantize", empty, "--bits", 4, "--out", tmp_path / "q"), "missing manifest.json")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("keep me")
+    assert_user_error(invoke("quantize", source.directory, "--bits", 4, "--out", busy), "not empty")
+    assert (busy / "notes.txt").read_text() == "keep me"
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ModelFileError, match="exists and is not a directory"):
+        quantize_artifact(source.directory, a_file, bits=4)
+    assert_user_error(invoke("quantize", source.directory, "--bits", 4, "--out", source.directory),
+                      "is the source artifact")
+    assert_user_error(invoke("quantize", quantized[4][0].directory, "--bits", 8, "--out", tmp_path / "q"),
+                      "already quantized")
+
+
+def test_non_language_model_refused(source, tmp_path):
+    # The same files with the token input renamed, as a hidden-states block artifact declares it
+    # (the manifest is not hashed, the graph files are).
+    import shutil
+
+    fake = tmp_path / "block"
+    shutil.copytree(source.directory, fake)
+    manifest = json.loads((fake / "manifest.json").read_text())
+    manifest["graphs"][0]["inputs"][0]["name"] = "hidden_states"
+    (fake / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelFileError, match="decoder-only language models"):
+        quantize_artifact(fake, tmp_path / "q", bits=4)
+
+
+def test_interrupted_quantization_leaves_previous_artifact_intact(source, quantized, tmp_path, monkeypatch):
+    import shutil
+
+    import toolkit.quantize.pipeline as module
+
+    target = tmp_path / "int8"
+    shutil.copytree(quantized[8][0].directory, target)
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "evaluate_quality", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_artifact(source.directory, target, bits=4)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int8"]  # no scratch or temporary directories left
+    assert open_artifact(target).manifest.quantization["bits"] == 8
+
+
+def test_check_refuses_int8_activations_without_explicit_tolerances(source, tmp_path):
+    target = tmp_path / "acc4"
+    result = invoke("quantize", source.directory, "--bits", 4, "--accuracy-level", 4, "--out", target)
+    assert result.exit_code == 0, result.output
+    result = invoke("check", target, "--backends", "eager,ort-cpu")
+    assert result.exit_code == 2
+    assert (f"Error: {target}: quantized at --accuracy-level 4, which rounds activations to int8" in result.output
+            and "--tolerances" in result.output and "Traceback" not in result.output)
+    # With the error the user accepts written down, the check runs and judges.
+    loose = tmp_path / "loose.toml"
+    loose.write_text("[float32]\natol = 1.0\nrtol = 1.0\n")
+    result = invoke("check", target, "--backends", "eager,ort-cpu", "--tolerances", loose)
+    assert result.exit_code == 0, result.output
+    assert "RESULT: PASS" in result.output

@@ -1,0 +1,1 @@
+"""`toolkit bench`: decode and prefill throughput against the machine's bandwidth bound."""

@@ -1,0 +1,1 @@
+"""The cross-check: run every backend, compare stage by stage, golden files, node localisation, reports."""

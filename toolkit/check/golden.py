@@ -1,0 +1,245 @@
+"""Golden outputs: a check's inputs and every stage output, stored so later checks can be held to them.
+
+`toolkit check` judges today's backends against today's float64 oracle. That
+cannot see a change that moves every backend and the oracle together (a
+torch/onnx/onnxruntime upgrade, a changed export or model formula in a pull
+request). A golden directory freezes one known-good check:
+
+    golden.json         index: format, versions that produced it, the artifact's preset and graph
+                        hashes, the stages, and per array its dtype, shape and sha256
+    inputs.npz          the check's inputs (reused by `--golden`, so both runs see identical feeds)
+    reference.npz       the float64 oracle's output for every stage
+    backend.NAME.npz    each backend's outputs (kept for inspection and plots)
+
+`--golden DIR` compares today's oracle with the stored one (float64 tolerances: only a real change
+of the computation moves a float64 result) and every backend with the stored oracle (the usual
+calibrated float32 tolerances). The directory is written in one atomic swap.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import platform
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runners.base import check_feed
+from runners.compare import ToleranceConfig, compare
+from artifact import sha256_bytes, sha256_file, swap_in
+from artifact.errors import InputError, ModelFileError
+from models.artifacts import artifact_config
+
+INDEX_FILE = "golden.json"
+FORMAT = "onnx-toolkit-golden"
+FORMAT_VERSION = 1
+ORACLE = "eager-f64"
+
+
+class GoldenError(ModelFileError):
+    """A golden directory is missing, corrupt, modified or does not fit the artifact."""
+
+
+@dataclass
+class Golden:
+    directory: Path
+    index: dict
+    inputs: dict[str, np.ndarray]
+    reference: dict[str, np.ndarray]
+    backends: dict[str, dict[str, np.ndarray]]
+
+    @property
+    def stages(self) -> list[str]:
+        return list(self.index["stages"])
+
+
+def current_versions() -> dict[str, str]:
+    import onnx
+    import torch
+
+    import toolkit
+
+    versions = {"toolkit": toolkit.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
+                "numpy": np.__version__, "python": platform.python_version()}
+    for module in ("onnxruntime", "onnxscript"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = "not installed"
+    return versions
+
+
+def _array_entry(array: np.ndarray) -> dict:
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": sha256_bytes(array.tobytes())}
+
+
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, **{name: np.ascontiguousarray(a) for name, a in arrays.items()})
+    return buffer.getvalue()
+
+
+def _graph_hashes(artifact) -> dict[str, str]:
+    return {g.name: g.entry.sha256 or sha256_file(g.model_path) for g in artifact.graphs}
+
+
+def save_golden(report, artifact, directory: str | os.PathLike) -> Path:
+    """Store `report`'s inputs, oracle outputs and backend outputs in `directory`, atomically."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise GoldenError(f"--save-golden {directory}: exists and is not a directory; choose another path")
+    if directory.is_dir() and any(directory.iterdir()) and not (directory / INDEX_FILE).is_file():
+        raise GoldenError(f"--save-golden {directory}: not empty and holds no {INDEX_FILE}; refusing to replace it, "
+                          "choose an empty or new directory")
+    if not (report.backends and all(b.passed for b in report.backends)):
+        raise GoldenError("the check failed, so its outputs are not golden; fix the divergence first "
+                          "(golden outputs are saved only from a passing check)")
+    arrays = report.arrays
+    groups = {"inputs": arrays["inputs"], "reference": {s: arrays["reference"][s] for s in report.stages}}
+    for name, outputs in arrays["outputs"].items():
+        groups[f"backend.{name}"] = {s: outputs[s] for s in report.stages if s in outputs}
+    files, entries = {}, {}
+    for group, values in groups.items():
+        data = _npz_bytes(values)
+        files[f"{group}.npz"] = data
+        entries[group] = {"file": f"{group}.npz", "sha256": sha256_bytes(data),
+                          "arrays": {name: _array_entry(a) for name, a in values.items()}}
+    index = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": current_versions(),
+        "artifact": {"preset": artifact.manifest.preset, "family": artifact.family,
+                     "variant": artifact.variant, "graph_sha256": _graph_hashes(artifact),
+                     "export_versions": artifact.manifest.versions},
+        "reference": ORACLE,
+        "input_source": report.input_source,
+        "stages": list(report.stages),
+        "calibration": report.calibration,
+        "backends": [b.name for b in report.backends],
+        "groups": entries,
+    }
+    files[INDEX_FILE] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    parent = directory.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    try:
+        for name, data in files.items():
+            with open(tmp / name, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+        load_golden(tmp)  # what we wrote must read back before it replaces anything
+        swap_in(tmp, directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def load_golden(directory: str | os.PathLike) -> Golden:
+    """Read and verify a golden directory: index, file hashes, and every array's dtype, shape and hash."""
+    directory = Path(directory)
+    index_path = directory / INDEX_FILE
+    if not directory.is_dir():
+        raise GoldenError(f"--golden {directory}: no such directory; create it with `toolkit check --save-golden "
+                          f"{directory}`")
+    if not index_path.is_file():
+        raise GoldenError(f"--golden {directory}: missing {INDEX_FILE}; not a golden directory (create one with "
+                          "`toolkit check --save-golden DIR`)")
+    try:
+        index = json.loads(index_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise GoldenError(f"{index_path}: not valid JSON ({exc}); re-create it with --save-golden") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise GoldenError(f"{index_path}: not a golden index (expected format {FORMAT!r})")
+    if index.get("format_version") != FORMAT_VERSION:
+        raise GoldenError(f"{index_path}: format_version {index.get('format_version')!r} is not supported "
+                          f"(this toolkit reads {FORMAT_VERSION}); re-create it with --save-golden")
+    for key in ("stages", "groups", "versions", "artifact"):
+        if key not in index:
+            raise GoldenError(f"{index_path}: lacks the {key!r} field; re-create it with --save-golden")
+    groups = index["groups"]
+    if not isinstance(groups, dict) or "inputs" not in groups or "reference" not in groups:
+        raise GoldenError(f"{index_path}: 'groups' must list 'inputs' and 'reference'; re-create it with --save-golden")
+    loaded = {}
+    for group, entry in groups.items():
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(file, str) or Path(file).name != file:
+            raise GoldenError(f"{index_path}: group {group!r} must name a plain file, got {file!r}")
+        path = directory / file
+        if not path.is_file():
+            raise GoldenError(f"{path}: missing; the golden directory is incomplete, re-create it with --save-golden")
+        actual = sha256_file(path)
+        if actual != entry.get("sha256"):
+            raise GoldenError(f"{path}: sha256 {actual[:12]}… does not match the index's "
+                              f"{str(entry.get('sha256'))[:12]}…; the golden file was modified or corrupted")
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {name: data[name] for name in data.files}
+        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+            raise GoldenError(f"{path}: not a readable .npz ({exc}); re-create it with --save-golden") from None
+        expected = entry.get("arrays") or {}
+        if sorted(arrays) != sorted(expected):
+            raise GoldenError(f"{path}: holds arrays {sorted(arrays)} but the index lists {sorted(expected)}")
+        for name, array in arrays.items():
+            if _array_entry(array) != expected[name]:
+                raise GoldenError(f"{path}: array {name!r} ({array.dtype.name} {list(array.shape)}) does not match "
+                                  f"its index entry {expected[name]}")
+        loaded[group] = arrays
+    missing = [s for s in index["stages"] if s not in loaded["reference"]]
+    if missing:
+        raise GoldenError(f"{index_path}: stages {missing} have no stored reference output")
+    backends = {g.removeprefix("backend."): a for g, a in loaded.items() if g.startswith("backend.")}
+    return Golden(directory, index, loaded["inputs"], loaded["reference"], backends)
+
+
+def check_inputs_fit(golden: Golden, artifact) -> None:
+    """The stored inputs must be a valid feed for the artifact (names, dtypes, ranks, sizes)."""
+    produced = {name for g in artifact.graphs for name in g.output_names}
+    for graph in artifact.graphs:
+        # Inputs an earlier graph produces are not stored; an omitted KV cache is implied empty.
+        specs = [s for s in graph.input_specs if s.name not in produced and (
+            s.name in golden.inputs or not (s.name.startswith("past") or s.name == "position_ids"))]
+        feed = {s.name: golden.inputs[s.name] for s in specs if s.name in golden.inputs}
+        try:
+            check_feed(specs, feed, artifact_config(artifact))
+        except InputError as exc:
+            raise GoldenError(f"--golden {golden.directory}: its inputs do not fit {artifact.location} ({exc}); "
+                              "the golden outputs belong to another model, re-create them with --save-golden") from None
+    extra = sorted(set(golden.inputs) - {s.name for g in artifact.graphs for s in g.input_specs})
+    if extra:
+        raise GoldenError(f"--golden {golden.directory}: inputs {extra} are not inputs of {artifact.location}; "
+                          "the golden outputs belong to another model")
+
+
+def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceConfig | None = None) -> None:
+    """Add to `report` today's oracle and every backend compared with the stored oracle outputs."""
+    from toolkit.check.crosscheck import BackendResult
+
+    stages = golden.stages
+    today = report.arrays
+    oracle = compare(golden.reference, today["reference"], dtype="float64", tolerances=tolerances, order=stages)
+    report.golden.append(BackendResult(ORACLE, "today's float64 oracle vs golden", oracle, 0.0))
+    for backend in report.backends:
+        comparison = compare(golden.reference, today["outputs"][backend.name], dtype=report.dtype,
+                             tolerances=tolerances, calibration=report.calibration, order=stages)
+        report.golden.append(BackendResult(backend.name, backend.device, comparison, backend.seconds))
+    then = golden.index["artifact"].get("graph_sha256") or {}
+    now = _graph_hashes(artifact)
+    report.golden_info = {
+        "directory": str(golden.directory),
+        "created": golden.index.get("created"),
+        "versions_then": golden.index["versions"],
+        "versions_now": current_versions(),
+        "graphs_changed": sorted(name for name in set(then) | set(now) if then.get(name) != now.get(name)),
+        "new_stages": [s for s in report.stages if s not in stages],
+    }

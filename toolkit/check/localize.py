@@ -1,0 +1,462 @@
+"""Divergence localisation: which ONNX node broke, not just which stage.
+
+When a stage fails for a backend, the graph is inlined (the custom-domain
+functions' bodies become ordinary nodes, so a fault inside RMSNorm is visible),
+every intermediate value in the failing stage's cone is made a graph output,
+and two independent questions are asked node by node, in topological order:
+
+1. Does the *backend* compute this node correctly? The node is re-evaluated in
+   float64 by onnx.reference on the backend's *own* float32 inputs, and the
+   difference is held to the node's own float32 rounding bound. Re-evaluating
+   on the backend's inputs (rather than comparing accumulated values) isolates
+   each node's local error from error propagated from upstream, so an op whose
+   kernel is wrong is named even when a later op amplifies the damage (softmax,
+   cancellation). This answers runtime faults (a provider kernel, reduced
+   precision).
+2. Does the *graph* compute what PyTorch computes? The same graph converted to
+   float64 (initializers, inputs, Cast targets, constants) runs on
+   onnx.reference, and each node's value is matched against the tensors the
+   eager float64 model materialises (captured op by op with a TorchDispatchMode).
+   The same graph in float64 cannot be its own oracle for an export fault (an
+   Add turned into a Sub is a Sub in float64 too), and the exporter's value
+   names are not the FX node names (it renumbers them), so values are matched
+   by content: a node is wrong when its value matches no eager tensor of the
+   same shape *and* nothing downstream of it in the failing stage matches
+   either (a value eager never materialises, like the Sigmoid inside silu, is
+   vindicated by a matching consumer). This answers export faults.
+
+Per-node tolerances are derived from float32 rounding, see `node_bound`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx.inliner
+from onnx import TensorProto, helper, numpy_helper
+
+from artifact.errors import BackendUnavailableError, ComparisonError
+from models.artifacts import artifact_config
+
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 ulp at 1.0, twice the unit roundoff
+
+# Ops that only move or select values: a correct backend reproduces its inputs' bits exactly.
+EXACT_OPS = {
+    "Identity", "Reshape", "Transpose", "Slice", "Concat", "Gather", "GatherElements", "Unsqueeze", "Squeeze",
+    "Expand", "Where", "Split", "Tile", "Flatten", "Pad", "ReduceMax", "ReduceMin", "Max", "Min", "Relu",
+    "Neg", "Abs", "Trilu", "ScatterND", "DepthToSpace", "SpaceToDepth",
+}
+# IEEE correctly rounded: one rounding of the result, at most half an ulp.
+ROUNDED_OPS = {"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Cast", "CastLike"}
+# Library approximations (MLAS, CUDA math) are accurate to a few ulps; 8 ulps covers them with room.
+TRANSCENDENTAL_ULPS = 8
+CONTRACTING_OPS = {"MatMul", "Gemm", "ReduceSum", "ReduceMean", "Softmax", "LogSoftmax", "LayerNormalization",
+                   "ReduceL2", "ReduceSumSquare"}
+SHAPE_ONLY_OPS = {"Shape", "Size"}
+
+
+@dataclass
+class NodeFinding:
+    """The first node whose output leaves tolerance, and why it is blamed."""
+
+    cause: str  # "backend" (its kernel is wrong on its own inputs) or "graph" (the graph is not the model)
+    index: int  # position in the inlined graph's topological order
+    op_type: str
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    function: str | None  # "onnx_toolkit::RMSNorm call node__symbolic" when the node came from a function body
+    max_abs: float
+    allowed: float
+    detail: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def describe(self) -> str:
+        where = f" (inside {self.function})" if self.function else ""
+        return (f"node #{self.index} {self.op_type} {self.name!r}{where}, inputs {self.inputs} -> {self.outputs}: "
+                f"{self.detail}")
+
+
+@dataclass
+class Localization:
+    backend: str
+    stage: str
+    graph: str
+    finding: NodeFinding | None
+    nodes_checked: int
+    note: str = ""
+    suspects: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "stage": self.stage, "graph": self.graph, "nodes_checked": self.nodes_checked,
+                "finding": None if self.finding is None else self.finding.to_dict(), "note": self.note}
+
+    def describe(self) -> str:
+        head = f"localize {self.backend} at stage {self.stage} ({self.graph} graph, {self.nodes_checked} nodes checked): "
+        if self.finding is None:
+            return head + (self.note or "no node leaves tolerance")
+        blame = ("the backend computes it wrongly on its own inputs" if self.finding.cause == "backend"
+                 else "the graph differs from the PyTorch model here (an export fault)")
+        return head + f"first divergent {self.finding.describe()}; {blame}"
+
+
+# --------------------------------------------------------------------------- graph preparation
+
+def inline_with_origins(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str | None]]:
+    """Inline the model's local functions; for each inlined node, the call it came from (None if original)."""
+    inlined = onnx.inliner.inline_local_functions(model)
+    functions = {(f.domain, f.name) for f in model.functions}
+    calls = iter([n for n in model.graph.node if (n.domain, n.op_type) in functions])
+    survivors = {n.name for n in model.graph.node if (n.domain, n.op_type) not in functions}
+    origins: list[str | None] = []
+    call, pending = None, set()
+    for node in inlined.graph.node:
+        if call is None and node.name in survivors:
+            origins.append(None)
+            continue
+        # A call's body replaces it in place: the run of new nodes up to the one producing all of the
+        # call's outputs belongs to the next call in the original order.
+        if call is None:
+            call = next(calls)
+            pending = set(call.output)
+        origins.append(f"{call.domain}::{call.op_type} call {call.name}")
+        pending -= set(node.output)
+        if not pending:
+            call = None
+    return inlined, origins
+
+
+def _float_input_names(graph) -> set[str]:
+    return {i.name for i in graph.input if i.type.tensor_type.elem_type == TensorProto.FLOAT}
+
+
+def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same (inlined) graph computing in float64: initializers, inputs, constants and Cast targets."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    for init in graph.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+    for value in list(graph.input) + list(graph.output):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    del graph.value_info[:]
+    for node in graph.node:
+        for attr in node.attribute:
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.DOUBLE
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float64), attr.t.name))
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value_float":  # a scalar attribute has no dtype of its own; make it a tensor
+                    value = attr.f
+                    node.ClearField("attribute")
+                    node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.array(value, np.float64))))
+                    break
+                if attr.name == "value_floats":
+                    values = list(attr.floats)
+                    node.ClearField("attribute")
+                    node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.array(values, np.float64))))
+                    break
+    return model
+
+
+def with_all_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy whose graph outputs are `names` (typed by shape inference) so every value can be read back."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input)}
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    del model.graph.output[:]
+    for name in names:
+        if name in types:
+            model.graph.output.append(types[name])
+        else:
+            model.graph.output.append(helper.make_empty_tensor_value_info(name))
+    return model
+
+
+# --------------------------------------------------------------------------- tolerances
+
+def node_scale(op_type: str, inputs: list, output: np.ndarray) -> tuple[float, int]:
+    """(magnitude, rounding steps) of a node: its float32 error bound is steps * EPS32 * magnitude.
+
+    Elementwise correctly rounded ops: one rounding of the result, steps 1, magnitude max|out|
+    (EPS32 is twice the unit roundoff u, a 2x margin). Transcendentals: library accuracy of a few ulps.
+    Contractions over K terms: Higham's bound |fl(sum) - sum| <= gamma_K sum|a_i b_i|, gamma_K ~ K u, so
+    steps K + 1 and magnitude max(|A| @ |B|) for a MatMul, K * max|x| for a sum, max|x| for a mean;
+    a softmax adds the exp's few ulps and the division. Data movement: 0, any difference is a fault.
+    """
+    out_max = _finite_max(output)
+    floats = [np.asarray(x, dtype=np.float64) for x in inputs
+              if x is not None and np.issubdtype(np.asarray(x).dtype, np.floating)]
+    if op_type in EXACT_OPS:
+        return out_max, 0
+    if op_type in ROUNDED_OPS:
+        return out_max, 1
+    if op_type == "MatMul" and len(floats) >= 2:
+        a, b = np.abs(floats[0]), np.abs(floats[1])
+        return (float(np.max(np.matmul(a, b))) if a.size and b.size else 0.0), a.shape[-1] + 1
+    if op_type in CONTRACTING_OPS and floats:
+        x = floats[0]
+        k = max(int(x.size // max(np.size(output), 1)), 1) if op_type.startswith("Reduce") else x.shape[-1]
+        if op_type in ("Softmax", "LogSoftmax"):
+            return max(out_max, 1.0), k + TRANSCENDENTAL_ULPS + 1
+        if op_type in ("ReduceMean", "LayerNormalization"):
+            return max(out_max, _finite_max(x)), k + TRANSCENDENTAL_ULPS
+        return max(out_max, k * _finite_max(x)), k + 1
+    # Transcendentals and anything unlisted: a few ulps of the larger of output and inputs.
+    return max([out_max] + [_finite_max(x) for x in floats]), TRANSCENDENTAL_ULPS
+
+
+def _finite_max(array) -> float:
+    values = np.abs(np.asarray(array, dtype=np.float64))
+    values = values[np.isfinite(values)]
+    return float(values.max()) if values.size else 0.0
+
+
+def differ(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want|, with equal infinities counted as equal and a NaN/inf mismatch as infinite."""
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return float("inf")
+    same = (got == want) | (np.isnan(got) & np.isnan(want))
+    with np.errstate(invalid="ignore"):  # inf - inf where one side is finite is a real mismatch, kept as inf
+        diff = np.where(same, 0.0, np.abs(got - want))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    return float(diff.max()) if diff.size else 0.0
+
+
+# --------------------------------------------------------------------------- backends
+
+def run_backend_all(backend: str, model: onnx.ModelProto, feed: dict) -> dict[str, np.ndarray]:
+    """Run the float32 inlined graph (every value an output) on `backend`."""
+    names = [o.name for o in model.graph.output]
+    if backend == "onnx-reference":
+        from onnx.reference import ReferenceEvaluator
+
+        return dict(zip(names, ReferenceEvaluator(model).run(None, feed)))
+    if backend.startswith("ort-"):
+        import onnxruntime
+
+        from runners.ort import PROVIDERS
+
+        provider = PROVIDERS[backend]
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=[provider])
+        return dict(zip(names, session.run(names, feed)))
+    raise BackendUnavailableError(
+        f"--localize: backend {backend!r} does not run the ONNX graph, so it has no ONNX nodes to localise; "
+        "localise an ONNX backend (ort-cpu, onnx-reference, ort-cuda)"
+    )
+
+
+def evaluate_node64(node: onnx.NodeProto, opsets: dict[str, int], inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """One node in float64 on the given input values (float32 inputs widened exactly)."""
+    from onnx.reference import ReferenceEvaluator
+
+    node64 = onnx.NodeProto.FromString(node.SerializeToString())
+    for attr in node64.attribute:
+        if node64.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+            attr.i = TensorProto.DOUBLE
+    feed = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
+    return ReferenceEvaluator(node64, opsets=opsets).run(None, feed)
+
+
+# --------------------------------------------------------------------------- eager capture
+
+def eager_tensors(artifact, graph_name: str, feed: dict) -> list[np.ndarray]:
+    """Every floating tensor the float64 eager model materialises while computing `graph_name` on `feed`."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.registry import get_family
+    from runners.eager import model_from_artifact
+
+    model = model_from_artifact(artifact).to(torch.float64).eval()
+    spec = {g.name: g for g in get_family(artifact.family).graphs(artifact_config(artifact))}[graph_name]
+    run = spec.variant(artifact.variant)[2]
+    graph = artifact.graph(graph_name)
+    args = []
+    for s in graph.input_specs:
+        tensor = torch.from_numpy(np.asarray(feed[s.name]))
+        args.append(tensor.to(torch.float64) if tensor.is_floating_point() else tensor)
+    captured: list[np.ndarray] = [np.asarray(a.numpy(), dtype=np.float64) for a in args if a.is_floating_point()]
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for value in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                    captured.append(value.detach().to(torch.float64).numpy().copy())
+            return result
+
+    with torch.no_grad(), Capture():
+        stages = run(model, *args)
+    captured.extend(np.asarray(v.detach().numpy(), dtype=np.float64) for v in stages.values())
+    return captured
+
+
+def _key(array: np.ndarray) -> tuple:
+    return tuple(d for d in np.shape(array) if d != 1)
+
+
+# --------------------------------------------------------------------------- the analysis
+
+def localize_stage(artifact, backend: str, stage: str, feed: dict, *, graph_name: str | None = None) -> Localization:
+    """Name the first ONNX node of `stage`'s computation that `backend` (or the graph itself) gets wrong."""
+    from artifact import load_onnx
+
+    graph_art = next((g for g in artifact.graphs if stage in g.output_names), None) if graph_name is None \
+        else artifact.graph(graph_name)
+    if graph_art is None:
+        raise ComparisonError(f"--localize: stage {stage!r} is not an output of any graph of {artifact.location}")
+    proto = load_onnx(graph_art.model_path)
+    inlined, origins = inline_with_origins(proto)
+    nodes = list(inlined.graph.node)
+    opsets = {o.domain: o.version for o in inlined.opset_import}
+    feed = {s.name: feed[s.name] for s in graph_art.input_specs}
+
+    # The failing stage's cone: every node it depends on, in the graph's (topological) order.
+    producer = {out: i for i, n in enumerate(nodes) for out in n.output}
+    cone, todo = set(), [stage]
+    while todo:
+        value = todo.pop()
+        i = producer.get(value)
+        if i is None or i in cone:
+            continue
+        cone.add(i)
+        todo.extend(x for x in nodes[i].input if x)
+    order = sorted(cone)
+    # Values that depend on the data (not only on shapes and constants): only these are judged.
+    data = _float_input_names(inlined.graph)
+    for i in order:
+        node = nodes[i]
+        # Shape reads only the shape, CastLike's second input only its dtype.
+        carried = node.input[:1] if node.op_type == "CastLike" else node.input
+        if node.op_type not in SHAPE_ONLY_OPS and any(x in data for x in carried):
+            data.update(node.output)
+    value_names = [out for i in order for out in nodes[i].output if out]
+
+    backend_values = run_backend_all(backend, with_all_outputs(inlined, value_names), feed)
+    model64 = with_all_outputs(to_float64(inlined), value_names)
+    from onnx.reference import ReferenceEvaluator
+
+    feed64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feed.items()}
+    values64 = dict(zip(value_names, ReferenceEvaluator(model64).run(None, feed64)))
+    initializers = {i.name: numpy_helper.to_array(i) for i in inlined.graph.initializer}
+
+    def known(name, values):
+        if name in values:
+            return values[name]
+        if name in initializers:
+            return initializers[name]
+        return feed.get(name)
+
+    # 1. Runtime faults: each node re-evaluated in float64 on the backend's own inputs.
+    checked = 0
+    for i in order:
+        node = nodes[i]
+        outputs = [o for o in node.output if o in data and np.issubdtype(np.asarray(backend_values[o]).dtype, np.floating)]
+        if not outputs:
+            continue
+        checked += 1
+        ins = {x: np.asarray(known(x, backend_values)) for x in node.input if x}
+        expected = evaluate_node64(node, opsets, ins)
+        for name, want in zip(node.output, expected):
+            if name not in outputs:
+                continue
+            got = backend_values[name]
+            magnitude, steps = node_scale(node.op_type, [ins.get(x) for x in node.input], want)
+            allowed = steps * EPS32 * magnitude
+            error = differ(got, want)
+            if not error <= allowed:
+                return Localization(backend, stage, graph_art.name, NodeFinding(
+                    "backend", i, node.op_type, node.name, list(node.input), list(node.output), origins[i],
+                    error, allowed,
+                    f"output {name!r}: max abs {error:.3g} vs float64 on the backend's own inputs, allowed {allowed:.3g} "
+                    f"({steps} x float32 eps x magnitude {magnitude:.3g})"), checked)
+
+    # 2. Export faults: the float64 graph against the tensors eager float64 materialises.
+    captured: dict[tuple, list[np.ndarray]] = {}
+    for array in eager_tensors(artifact, graph_art.name, feed):
+        captured.setdefault(_key(array), []).append(array)
+    depth: dict[str, int] = {}
+    matched: dict[int, bool] = {}
+    bounds: dict[int, tuple[float, float]] = {}
+    for i in order:
+        node = nodes[i]
+        depth_here = 1 + max((depth.get(x, 0) for x in node.input), default=0)
+        for out in node.output:
+            depth[out] = depth_here
+        outs = [o for o in node.output if o in data and np.issubdtype(np.asarray(values64[o]).dtype, np.floating)]
+        if not outs:
+            continue
+        value = values64[outs[0]]
+        ins = [known(x, values64) for x in node.input]
+        magnitude, _ = node_scale(node.op_type, ins, value)
+        # The float64 graph and float64 eager differ only where the graph holds float32-rounded constants
+        # (e.g. a scale or an epsilon): to first order each of the depth operations on the path can carry one
+        # such relative rounding, so (depth + 1) float32 ulps of the node's magnitude.
+        allowed = (depth_here + 1) * EPS32 * max(magnitude, float(np.finfo(np.float64).tiny))
+        best = min((differ(value.reshape(c.shape), c) for c in captured.get(_key(value), []) if c.size == value.size),
+                   default=float("inf"))
+        matched[i] = best <= allowed
+        bounds[i] = (best, allowed)
+    consumers: dict[str, list[int]] = {}
+    for i in order:
+        for x in nodes[i].input:
+            consumers.setdefault(x, []).append(i)
+
+    def all_downstream_unmatched(i: int) -> bool:
+        seen, todo = set(), [i]
+        while todo:
+            j = todo.pop()
+            for out in nodes[j].output:
+                for k in consumers.get(out, []):
+                    if k in seen:
+                        continue
+                    seen.add(k)
+                    if matched.get(k):
+                        return False
+                    todo.append(k)
+        return True
+
+    for i in order:
+        if i in matched and not matched[i] and all_downstream_unmatched(i):
+            node = nodes[i]
+            best, allowed = bounds[i]
+            detail = (f"its float64 value matches no tensor of the eager float64 model (closest max abs "
+                      f"{best:.3g}, allowed {allowed:.3g}), and nothing downstream of it in {stage!r} matches either")
+            return Localization(backend, stage, graph_art.name, NodeFinding(
+                "graph", i, node.op_type, node.name, list(node.input), list(node.output), origins[i],
+                best, allowed, detail), checked)
+    return Localization(backend, stage, graph_art.name, None, checked,
+                        note="every node agrees with float64 on its own inputs and with the eager model's tensors")
+
+
+def localize_report(report, artifact) -> list[Localization]:
+    """For every failing ONNX backend of a CheckReport, localise its first failing stage."""
+    results = []
+    for backend in report.backends:
+        failure = backend.comparison.first_failure
+        if failure is None:
+            continue
+        if backend.name.startswith("eager"):
+            results.append(Localization(backend.name, failure.name, "-", None, 0,
+                                        note="an eager backend runs no ONNX graph; nothing to localise"))
+            continue
+        if failure.name.startswith("decode."):
+            results.append(Localization(backend.name, failure.name, "-", None, 0,
+                                        note="decode steps are not localised; localise the prefill stages"))
+            continue
+        feeds = report.arrays.get("feeds", {})
+        feed = {}
+        for graph_feed in feeds.values():
+            feed.update(graph_feed)
+        results.append(localize_stage(artifact, backend.name, failure.name, feed))
+    return results

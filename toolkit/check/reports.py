@@ -1,0 +1,115 @@
+"""Render a CheckReport as a text table, JSON or JUnit XML."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from toolkit.check.crosscheck import CheckReport
+
+
+def _shape(shape) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def _err(value) -> str:
+    return "n/a" if value is None or value != value else f"{value:.2e}"
+
+
+def text_table(report: CheckReport) -> str:
+    """Rows are stages in computation order, columns are backends: max abs error and a verdict."""
+    names = [b.name for b in report.backends]
+    stage_width = max(len("stage"), *(len(s) for s in report.stages))
+    col = max(16, *(len(n) + 2 for n in names))
+    header = f"{'stage':<{stage_width}}  {'shape':<12} {'allowed':>9}  " + "".join(f"{n:>{col}}" for n in names)
+    lines = [
+        f"artifact: {report.artifact}",
+        f"inputs:   {', '.join(f'{k} {_shape(v)}' for k, v in report.inputs.items())} ({report.input_source})",
+        "reference: eager-f64 (PyTorch float64); cells: max abs error vs reference, ok / FAIL",
+        "",
+        header,
+        "-" * len(header),
+    ]
+    for stage in report.stages:
+        first = report.backends[0].comparison[stage] if report.backends else None
+        shape = _shape(first.reference_shape) if first else "?"
+        allowed = _err(first.allowed) if first else "?"
+        cells = ""
+        for backend in report.backends:
+            result = backend.comparison[stage]
+            cells += f"{_err(result.max_abs) + (' ok' if result.passed else ' FAIL'):>{col}}"
+        lines.append(f"{stage:<{stage_width}}  {shape:<12} {allowed:>9}  {cells}")
+    lines.append("")
+    for backend in report.backends:
+        verdict = "PASS" if backend.passed else f"FAIL (first divergence: {backend.first_divergence})"
+        extra = ""
+        try:
+            agreement = backend.comparison["logits"].argmax_agreement
+            if agreement is not None:
+                extra = f", logits arg-max agreement {agreement:.0%}"
+        except KeyError:
+            pass
+        lines.append(f"{backend.name:<16} {verdict} on {backend.device}, {backend.seconds * 1e3:.1f} ms{extra}")
+    lines.extend(golden_lines(report))
+    for localization in report.localizations:
+        lines.append(localization.describe())
+    divergence = report.first_divergence
+    if divergence:
+        lines.append(
+            f"first divergence: {divergence['backend']} at stage {divergence['stage']} "
+            f"(#{divergence['index']} in computation order): {divergence['reason']}"
+        )
+    lines.append("RESULT: " + ("PASS, every backend matches the reference" if report.passed else "FAIL"))
+    return "\n".join(lines)
+
+
+def golden_lines(report: CheckReport) -> list[str]:
+    """One line per comparison with the stored golden outputs, naming the first stage that drifted."""
+    if not report.golden:
+        return []
+    info = report.golden_info
+    then, now = info.get("versions_then", {}), info.get("versions_now", {})
+    changed = [f"{k} {then.get(k)} -> {now.get(k)}" for k in ("torch", "onnx", "onnxruntime", "onnxscript", "toolkit")
+               if then.get(k) != now.get(k)]
+    lines = ["", f"golden: {info.get('directory')} (saved {info.get('created')}; "
+                 + (f"versions changed: {', '.join(changed)}" if changed else "same versions") + "; graphs "
+                 + (f"CHANGED: {', '.join(info['graphs_changed'])}" if info.get("graphs_changed") else "unchanged") + ")"]
+    for result in report.golden:
+        failure = result.comparison.first_failure
+        if failure is None:
+            verdict = "matches golden"
+        else:
+            verdict = (f"DRIFTED from golden at stage {failure.name}: {failure.reason}"
+                       if failure.reason else f"DRIFTED from golden at stage {failure.name}")
+        lines.append(f"golden {result.name:<16} {verdict}")
+    if info.get("new_stages"):
+        lines.append(f"golden: stages not in the golden outputs (not compared): {', '.join(info['new_stages'])}")
+    return lines
+
+
+def to_json(report: CheckReport) -> str:
+    return json.dumps(report.to_dict(), indent=2)
+
+
+def to_junit(report: CheckReport) -> str:
+    """One test case per backend x stage; failures carry the numbers."""
+    cases = [("check", b, o) for b in report.backends for o in b.comparison.outputs]
+    cases += [("golden", b, o) for b in report.golden for o in b.comparison.outputs]
+    failures = sum(1 for _, _, o in cases if not o.passed)
+    suite = ET.Element("testsuite", name="toolkit check", tests=str(len(cases)), failures=str(failures), errors="0")
+    for kind, backend, output in cases:
+        case = ET.SubElement(suite, "testcase", classname=f"{kind}.{backend.name}", name=output.name,
+                             time=f"{backend.seconds:.6f}")
+        if not output.passed:
+            against = "the stored golden outputs" if kind == "golden" else "the float64 oracle"
+            numbers = (f"max_abs={_err(output.max_abs)} allowed={_err(output.allowed)} "
+                       f"mean_abs={_err(output.mean_abs)} max_rel={_err(output.max_rel)}")
+            failure = ET.SubElement(case, "failure", message=f"{output.reason or 'failed'}; {numbers}")
+            failure.text = f"backend {backend.name} ({backend.device}) stage {output.name} vs {against}: {numbers}"
+            if kind == "check":
+                for localization in report.localizations:
+                    if localization.backend == backend.name and localization.stage == output.name:
+                        failure.text += "\n" + localization.describe()
+    root = ET.Element("testsuites")
+    root.append(suite)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True)

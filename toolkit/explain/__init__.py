@@ -1,0 +1,1 @@
+"""The explanations: the worked-example walkthrough, `inspect`, and the presets listing."""

@@ -1,0 +1,1 @@
+"""`toolkit quantize`: orchestration and quality evaluation (the graph rewrite is exporters/quantize.py)."""

@@ -1,0 +1,236 @@
+"""`toolkit quantize`: weight-only int4/int8 quantization of an artifact, and its measured quality.
+
+The graph rewrite (MatMulNBits, dequantization, the weight map) is exporters/quantize.py;
+this module checks the source, writes the artifact atomically and evaluates it.
+
+Eager reference of a quantized artifact: the model rebuilt with the DEQUANTIZED weights
+(w = (q - zero_point) * scale), i.e. exactly the function the quantized graph is meant to
+compute. So `toolkit check` on a quantized artifact checks the ONNX graph against that
+model with the usual tolerances; the loss against the float model is a separate, reported
+quantity (`quality`): logit error, greedy-token agreement and perplexity, float vs
+quantized, both on ONNX Runtime CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from artifact.errors import ConfigError, ModelFileError
+from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
+from artifact.hashing import sha256_file
+from artifact.read import load_onnx
+from artifact.write import check_output_dir, pack_artifact, write_artifact
+from exporters.quantize import (ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, HEAD, prepare_proto, quantize_proto,
+                                quantized_weight_map, quantizer_version, torch_weights)
+from models.artifacts import artifact_config, open_artifact
+
+# Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+)
+PERPLEXITY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Machine learning models learn patterns from data, "
+    "and a language model predicts the next word from the words before it. Quantization stores each "
+    "weight with fewer bits, which saves memory and time, at some cost in accuracy."
+)
+GREEDY_TOKENS = 16
+SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
+
+
+@dataclass
+class QuantizeResult:
+    artifact: Artifact
+    quality: dict
+    quantized_weights: int
+
+
+def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, accuracy_level: int = 0,
+                      algorithm: str = "rtn", greedy_tokens: int = GREEDY_TOKENS) -> QuantizeResult:
+    """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically)."""
+    if bits not in BITS:
+        raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
+    if algorithm not in ALGORITHMS:
+        raise ConfigError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm == "hqq" and bits != 4:
+        raise ConfigError(f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
+                          "CPU MatMulNBits at 4 bits only; use --algorithm rtn for 8 bits")
+    if accuracy_level not in ACCURACY_LEVELS:
+        raise ConfigError(f"--accuracy-level: expected one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    source = open_artifact(source_dir)
+    if source.directory is None:
+        raise ModelFileError(f"{source_dir}: a lone .onnx file; pass the artifact directory from `toolkit export`")
+    if source.manifest.quantization:
+        raise ModelFileError(f"{source_dir}: already quantized ({source.manifest.quantization['bits']}-bit); "
+                             "quantize the float artifact it came from")
+    _check_language_model(source)
+    if out_dir.resolve() == source_dir.resolve():
+        raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
+    check_output_dir(out_dir)  # before the slow part
+
+    manifest = copy.deepcopy(source.manifest.to_dict())
+    files: dict[str, bytes] = {}
+    total, untied = 0, False
+    for entry, graph in zip(manifest["graphs"], source.graphs):
+        proto = load_onnx(graph.model_path)
+        weights = torch_weights(proto, graph.entry.data["weights"])
+        prepared, folded = prepare_proto(proto)
+        proto, count = quantize_proto(prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level,
+                                      algorithm=algorithm)
+        total += count
+        entry["weights"] = quantized_weight_map(graph.entry.data["weights"], folded, prepared, proto, weights, bits, prefer_quantized=(HEAD,),
+                                       algorithm=algorithm)
+        del prepared
+        if manifest["config"].get("tie_embeddings") and "quantized" in entry["weights"].get(HEAD, {}):
+            # The graph multiplies by a quantized copy of the embedding while Gather reads the float one:
+            # two different matrices, so the model this artifact describes has an untied head.
+            manifest["config"]["tie_embeddings"] = False
+            untied = True
+        entry["custom_ops"] = sorted({n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN})
+        files[entry["name"]] = proto  # serialised below, once the manifest is final
+    if total == 0:
+        raise ModelFileError(f"{source_dir}: no MatMul with a constant weight to quantize")
+    manifest["custom_ops"] = sorted({op for e in manifest["graphs"] for op in e["custom_ops"]})
+    manifest["quantization"] = {
+        "bits": bits,
+        "block_size": block_size,
+        "symmetric": False,
+        "algorithm": algorithm,
+        "accuracy_level": accuracy_level,
+        "quantized_matmuls": total,
+        "quantizer": quantizer_version(algorithm),
+        "source": {"directory": str(source_dir.resolve()),
+                   "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
+        "eager_reference": "the model rebuilt with the dequantized weights",
+        "untied_head": untied,
+    }
+    extra = {name: (source_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
+
+    # Evaluate the quantized graphs from a scratch artifact, then write the final one (quality in its manifest).
+    check_output_dir(out_dir)
+    parent = out_dir.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.eval-", dir=parent) as scratch:
+        scratch_dir = Path(scratch) / "artifact"
+        write_artifact(scratch_dir, _serialise(manifest, files, extra))
+        quality = evaluate_quality(source, open_artifact(scratch_dir), greedy_tokens=greedy_tokens)
+    manifest["quantization"]["quality"] = quality
+    write_artifact(out_dir, _serialise(manifest, files, extra), verify=open_artifact)
+    return QuantizeResult(open_artifact(out_dir), quality, total)
+
+
+def _check_language_model(artifact: Artifact) -> None:
+    if len(artifact.graphs) != 1:
+        raise ModelFileError(f"{artifact.location}: {artifact.family} artifacts have {len(artifact.graphs)} graphs; "
+                             "quantize supports decoder-only language models (one graph, input_ids -> logits)")
+    graph = artifact.graphs[0]
+    names = [s.name for s in graph.input_specs]
+    if "input_ids" not in names or "logits" not in graph.output_names:
+        raise ModelFileError(f"{artifact.location}: a {artifact.family} artifact with inputs {names}; quantize "
+                             "supports decoder-only language models (input_ids -> logits)")
+
+
+def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes]) -> dict[str, bytes]:
+    """The artifact's files; each graph embeds the manifest without the quality report (evaluated later)."""
+
+    def embedded(manifest: dict) -> dict:
+        quantization = {k: v for k, v in manifest["quantization"].items() if k != "quality"}
+        return dict(manifest, quantization=quantization)
+
+    return pack_artifact(copy.deepcopy(manifest), protos, extra, embedded=embedded, keep_protos=True)
+
+
+# --------------------------------------------------------------------------- quality
+
+
+def evaluate_quality(float_artifact: Artifact, quantized_artifact: Artifact, *,
+                     greedy_tokens: int = GREEDY_TOKENS) -> dict:
+    """Quantized vs float, both on ONNX Runtime CPU, on fixed prompts and a fixed text.
+
+    - logits: max / mean abs difference over every position of the prompts + greedy continuations;
+    - greedy agreement: the float model's greedy continuation of each prompt is fed to both models
+      (teacher forcing); the fraction of those positions where the quantized arg-max equals the float one;
+    - perplexity of each model on a fixed text (next-token, natural log base e).
+    """
+    from runners.registry import create_runner
+
+    config = artifact_config(float_artifact)
+    float_runner = create_runner("ort-cpu", float_artifact)
+    quant_runner = create_runner("ort-cpu", quantized_artifact)
+    prompts, text_ids, tokenized = _fixed_inputs(float_artifact, config)
+    budget = config.max_positions
+    max_diff, sum_diff, count_diff, agree, positions = 0.0, 0.0, 0, 0, 0
+    for prompt in prompts:
+        prompt = prompt[: max(budget - 1, 1)]
+        steps = max(min(greedy_tokens, budget - len(prompt)), 0)
+        sequence = list(prompt)
+        for _ in range(steps):  # greedy continuation by the float model (full recompute: tiny and exact)
+            logits = _logits(float_runner, sequence)
+            sequence.append(int(np.argmax(logits[-1])))
+        fed = sequence[:-1] if steps else sequence
+        float_logits, quant_logits = _logits(float_runner, fed), _logits(quant_runner, fed)
+        diff = np.abs(float_logits.astype(np.float64) - quant_logits)
+        max_diff = max(max_diff, float(diff.max()))
+        sum_diff += float(diff.sum())
+        count_diff += diff.size
+        if steps:
+            window = slice(len(prompt) - 1, len(fed))
+            agree += int(np.sum(np.argmax(float_logits[window], -1) == np.argmax(quant_logits[window], -1)))
+            positions += len(fed) - len(prompt) + 1
+    text_ids = text_ids[:budget]
+    return {
+        "prompts": len(prompts),
+        "inputs": "tokenizer" if tokenized else f"fixed token ids (seed {SEED}), no tokenizer in the artifact",
+        "greedy_tokens_per_prompt": greedy_tokens,
+        "logits_max_abs": max_diff,
+        "logits_mean_abs": sum_diff / max(count_diff, 1),
+        "greedy_agreement": agree / positions if positions else float("nan"),
+        "greedy_positions": positions,
+        "perplexity_tokens": len(text_ids) - 1,
+        "perplexity_float": _perplexity(_logits(float_runner, text_ids), text_ids),
+        "perplexity_quantized": _perplexity(_logits(quant_runner, text_ids), text_ids),
+    }
+
+
+def _fixed_inputs(artifact: Artifact, config):
+    directory = artifact.directory
+    if directory is not None and (directory / "tokenizer.json").is_file():
+        from models.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer.from_artifact(directory)
+        return [tokenizer.encode(p) for p in PROMPTS], tokenizer.encode(PERPLEXITY_TEXT), True
+    rng = np.random.default_rng(SEED)
+    prompt_length = max(min(8, config.max_positions // 4), 1)
+    prompts = [rng.integers(0, config.vocab_size, prompt_length).tolist() for _ in PROMPTS]
+    return prompts, rng.integers(0, config.vocab_size, config.max_positions).tolist(), False
+
+
+def _logits(runner, ids: list[int]) -> np.ndarray:
+    """Logits [T, V] of one sequence fed in one call (empty cache for KV-cache graphs)."""
+    from models.registry import lm_defaults
+
+    feed = np.asarray([ids], dtype=np.int64)
+    return runner.run({"input_ids": feed, **lm_defaults(runner.input_specs, feed)})["logits"][0]
+
+
+def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    # ppl = exp(mean_t -log softmax(logits_t)[ids_{t+1}]), in float64
+    logits = logits[:-1].astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -log_probs[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+    return float(math.exp(nll.mean()))

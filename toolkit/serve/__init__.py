@@ -1,0 +1,1 @@
+"""`toolkit serve`: the OpenAI-compatible HTTP server over a continuous-batching engine."""
