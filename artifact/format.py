@@ -123,10 +123,6 @@ class GraphEntry:
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]
 
-    @property
-    def cache_inputs(self) -> list[str]:
-        return [s.name for s in self.inputs if is_cache_input(s.name)]
-
 
 @dataclass(frozen=True)
 class Manifest:

@@ -41,16 +41,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, SHARED_KV_CACHE, Manifest
 from artifact.errors import ExportError
+from exporters.replicate import SCOPES_KEY, topological  # SCOPES_KEY: torch.onnx's per-node module path metadata
 
 LOWERINGS = ("functions", "standard", "ort")
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
 MS_DOMAIN = "com.microsoft"
 MS_DOMAIN_VERSION = 1
-from exporters.replicate import SCOPES_KEY, topological  # SCOPES_KEY: torch.onnx's per-node module path metadata
 GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's CPU GroupQueryAttention rejects other head widths
 GQA_ROTARY_HEAD_MULTIPLE = 16  # ... and with do_rotary it wants a multiple of 16
-# A graph entry's "kv_cache" when its past.* inputs may be longer buffers that present.* updates in place.
-
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.
 REFERENCE_BACKEND = "onnx-reference"
 GPU_ORT_BACKENDS = ("ort-cuda", "ort-trt")  # TensorRT hands GroupQueryAttention to the CUDA provider

@@ -92,8 +92,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     return probs @ v, probs
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention(q, k, v, causal=True)."""
-    return attention(q, k, v, causal=True)

@@ -135,3 +135,10 @@ class TextTokenizer:
                    eos_id=fields.get("tokenizer.ggml.eos_token_id"),
                    add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
                    chat_template=fields.get("tokenizer.chat_template"))
+
+
+def load_tokenizer(artifact, shown: str | Path) -> TextTokenizer:
+    """The artifact's tokenizer; `shown` names the artifact in the error when there is none."""
+    if artifact.directory is None or not (artifact.directory / TOKENIZER_FILE).is_file():
+        raise ModelFileError(f"{shown}: no tokenizer in the artifact; export a checkpoint with --from")
+    return TextTokenizer.from_artifact(artifact.directory)

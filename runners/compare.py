@@ -154,7 +154,7 @@ def _tomllib(path: Path):
     try:
         import tomllib
     except ImportError:  # Python 3.10 has no TOML reader in the standard library
-        raise ConfigError(f"{path}: reading TOML needs Python >= 3.11 (tomllib); write the same tables as a .json file")
+        raise ConfigError(f"{path}: reading TOML needs Python >= 3.11 (tomllib); write the same tables as a .json file") from None
     return tomllib
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import onnx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -17,6 +18,9 @@ from models.artifacts import open_artifact
 from models.presets import get_preset
 from artifact.errors import ToolkitError
 from models.artifacts import artifact_config
+
+pytestmark = pytest.mark.slow
+
 
 CASES = 2000
 SETTINGS = settings(max_examples=CASES, deadline=None, derandomize=True, database=None,

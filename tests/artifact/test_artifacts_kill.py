@@ -28,6 +28,8 @@ import os, shutil, sys, time
 from pathlib import Path
 import artifact.write as artifacts
 
+pytestmark = pytest.mark.slow
+
 target, source, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
 def stop_here():

@@ -12,13 +12,14 @@ from click.testing import CliRunner
 from exporters.triton import config_pbtxt, write_triton_repo
 from toolkit.cli import main
 from artifact.errors import ExportError, ModelFileError
+from tests.optional import missing
 
 
 def _schema():
     """tritonclient's ModelConfig protobuf, loaded from its file (the grpc package itself needs grpcio)."""
     spec = importlib.util.find_spec("tritonclient")
     if spec is None:
-        pytest.skip("tritonclient is not installed (test extra); it carries Triton's model-config schema")
+        missing("tritonclient is not installed (test extra); it carries Triton's model-config schema")
     path = Path(spec.submodule_search_locations[0]) / "grpc" / "model_config_pb2.py"
     module_spec = importlib.util.spec_from_file_location("triton_model_config_pb2", path)
     module = importlib.util.module_from_spec(module_spec)

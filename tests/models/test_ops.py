@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.ops import apply_rope, causal_attention, rms_norm, rope_inverse_frequencies, swiglu
+from models.ops import apply_rope, attention, rms_norm, rope_inverse_frequencies, swiglu
 
 # Per-dtype tolerances (rtol, atol) for comparing torch results with a float64 numpy oracle.
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (2e-5, 2e-6)}
@@ -59,6 +59,10 @@ def np_rope(x: np.ndarray, positions, base: float, pairing: str) -> np.ndarray:
             out[..., t, a] = xa * math.cos(theta) - xb * math.sin(theta)
             out[..., t, b] = xa * math.sin(theta) + xb * math.cos(theta)
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention(q, k, v, causal=True)
 
 
 def np_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray):

@@ -4,6 +4,8 @@ keys, wrong types, mutated text). The outcome is a config that satisfies its fam
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import math
 
@@ -13,6 +15,9 @@ from hypothesis import strategies as st
 from models.registry import FAMILIES
 from models.presets import PRESETS, load_config_file
 from artifact.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
 
 CASES = 2000
 BASES = [{"family": p.family, "seed": p.seed, "config": p.config.to_dict()} for p in PRESETS.values()]

@@ -1,4 +1,4 @@
-"""models/receipts.py: gradient, causality and padding receipts, each shown to pass and to fail.
+"""tests/models/receipts.py: gradient, causality and padding receipts, each shown to pass and to fail.
 
 The cross-entropy oracle is numpy (log-sum-exp written out); the failing models are
 deliberately broken wrappers (a frozen or detached tensor, a non-causal mixer).
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.receipts import IGNORE_INDEX, causality_receipt, gradient_receipt, padding_receipt, token_cross_entropy
+from tests.models.receipts import IGNORE_INDEX, causality_receipt, gradient_receipt, padding_receipt, token_cross_entropy
 from models.registry import build_model
 from models.presets import get_preset
 

@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from models.tokenizer import TextTokenizer
 from artifact.errors import ModelFileError
+from tests.optional import import_or_skip
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
@@ -98,7 +99,7 @@ def test_hf_dir_bad_files(tmp_path, trained):
 @pytest.mark.parametrize("template", [CHATML, BLOCKY], ids=["chatml", "block-tags"])
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_chat_template_renders_like_transformers(tmp_path, trained, template, generation_prompt):
-    transformers = pytest.importorskip("transformers", reason="transformers renders the reference chat template")
+    transformers = import_or_skip("transformers", reason="transformers renders the reference chat template")
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
     tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, config))
     reference = transformers.PreTrainedTokenizerFast(tokenizer_object=trained, bos_token="<s>", eos_token="</s>",
@@ -219,7 +220,7 @@ def test_added_special_tokens_are_not_split(trained):
 
 
 def test_bos_from_the_post_processor_is_kept_like_transformers(tmp_path, trained):
-    transformers = pytest.importorskip("transformers", reason="transformers is the reference tokenizer")
+    transformers = import_or_skip("transformers", reason="transformers is the reference tokenizer")
     from tokenizers import processors
 
     tok = Tokenizer.from_str(trained.to_str())

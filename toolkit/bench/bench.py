@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -51,7 +49,7 @@ from artifact.errors import ConfigError, ModelFileError, ToolkitError
 from artifact.format import is_cache_input
 from models.artifacts import artifact_config
 from models.registry import has_cache
-from toolkit.plotting import pyplot
+from toolkit.bench.machine import machine_info, peak_rss_kb, read_bandwidth_probes
 
 BENCH_BACKENDS = ("eager", "ort-cpu", "ort-cuda")
 DEFAULT_BENCH_BACKENDS = ("eager", "ort-cpu")
@@ -86,116 +84,6 @@ def parse_batches(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise ConfigError(f"--batch: expected comma-separated integers >= 1, got {text!r}")
     return values
-
-
-# --------------------------------------------------------------------------- machine
-
-
-def llc_bytes() -> int:
-    """The largest CPU cache reported by sysfs (the last-level cache), 32 MiB if unknown."""
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip()
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            sizes.append(int(text.rstrip("KMG")) * scale)
-        except ValueError:
-            continue
-    return max(sizes, default=32 << 20)
-
-
-def measure_read_bandwidth(threads: int, buffer_bytes: int | None = None, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s (1e9 bytes/s): the best of read_bandwidth_probes."""
-    return max(read_bandwidth_probes(threads, buffer_bytes, repeats).values())
-
-
-def read_bandwidth_probes(threads: int, buffer_bytes: int | None = None, repeats: int = 5) -> dict[str, float]:
-    """GB/s of two streaming reads over a buffer >> the LLC, each the best of `repeats`: a torch float32
-    sum, and an ONNX Runtime float32 GEMV (1 x K times K x N, the access pattern of a decode step's
-    weights). Neither alone is an upper bound: on a 2-core EPYC VM ONNX Runtime's GEMV streamed faster
-    than torch's sum in some runs and slower in others, and a bound a backend beats is no bound."""
-    import torch
-
-    buffer_bytes = buffer_bytes or max(8 * llc_bytes(), 256 << 20)
-    probes = {}
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        buffer = torch.ones(buffer_bytes // 4, dtype=torch.float32)
-        buffer.sum()  # fault every page in before timing
-        probes["torch_sum"] = buffer.numel() * 4 / _best_seconds(buffer.sum, repeats) / 1e9
-    finally:
-        torch.set_num_threads(previous)
-    del buffer
-    gemv = _ort_gemv(threads, buffer_bytes)
-    if gemv is not None:
-        run, nbytes = gemv
-        run()  # first run: the session's own allocations
-        probes["onnxruntime_gemv"] = nbytes / _best_seconds(run, repeats) / 1e9
-    return probes
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _ort_gemv(threads: int, buffer_bytes: int):
-    """(run, weight bytes) of a one-MatMul ONNX Runtime session reading a buffer_bytes weight; None
-    without onnxruntime."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return None
-    from onnx import TensorProto, helper, numpy_helper
-
-    rows = 1024  # K: a weight of shape [K, N], read once per call
-    cols = max(buffer_bytes // 4 // rows, 1)
-    weight = numpy_helper.from_array(np.ones((rows, cols), dtype=np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "read_bandwidth",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])], [weight])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feed = {"x": np.ones((1, rows), dtype=np.float32)}
-    return (lambda: session.run(None, feed)), rows * cols * 4
-
-
-def machine_info(threads: int, read_bandwidth_gbs: float, probes: dict | None = None) -> dict:
-    import onnx
-    import torch
-
-    import toolkit
-
-    versions = {"python": platform.python_version(), "toolkit": toolkit.__version__, "torch": torch.__version__,
-                "onnx": onnx.__version__, "numpy": np.__version__}
-    try:
-        import onnxruntime
-
-        versions["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        versions["onnxruntime"] = "not installed"
-    # The load average says whether other work shared the cores during the run (then every figure is low).
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
-            "read_bandwidth_gbs": read_bandwidth_gbs, "read_bandwidth_probes_gbs": probes or {},
-            "load_average": list(os.getloadavg()),
-            "platform": platform.platform(), "versions": versions}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 # --------------------------------------------------------------------------- bytes per token
@@ -287,21 +175,6 @@ def measure(artifact_dir: str, backend: str, batch: int, settings: BenchSettings
             "prefill_ms": statistics.median(prefill), "prefill_ms_min": min(prefill), "prefill_ms_max": max(prefill),
             "decode_tokens_per_s": statistics.median(decode), "decode_tokens_per_s_min": min(decode),
             "decode_tokens_per_s_max": max(decode), "peak_rss_mb": peak_kb / 1024}
-
-
-def peak_rss_kb() -> int:
-    """This process's peak resident set size in KiB.
-
-    VmHWM (Linux) belongs to the address space, so a freshly exec'd child starts from zero; ru_maxrss
-    is kept across execve and would report the parent's peak at fork time, so it is only the fallback.
-    """
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
 def _runner(backend: str, artifact, threads: int):
@@ -453,59 +326,6 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def label(result: dict) -> str:
-    bits = "" if result.get("bits") is None else f" int{result['bits']} {result.get('algorithm') or 'rtn'}"
-    if result.get("accuracy_level"):
-        bits += f" acc{result['accuracy_level']}"
-    return f"{result['backend']} {result['lowering']} {result['dtype']}{bits}"
-
-
-def write_png(report: dict, path: str | Path) -> None:
-    """Decode tokens/s (with the bandwidth bound) and prefill ms per backend, one group per batch size."""
-    plt = pyplot("--png")
-    results = report["results"]
-    labels = list(dict.fromkeys(label(r) for r in results))
-    batches = sorted({r["batch"] for r in results})
-    figure, (decode_axis, prefill_axis) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(labels), 1)
-    for index, name in enumerate(labels):
-        rows = {r["batch"]: r for r in results if label(r) == name}
-        xs = [b + index * width for b in range(len(batches))]
-        decode_axis.bar(xs, [rows[b]["decode_tokens_per_s"] if b in rows else 0 for b in batches], width, label=name)
-        prefill_axis.bar(xs, [rows[b]["prefill_ms"] if b in rows else 0 for b in batches], width, label=name)
-    for position, batch in enumerate(batches):
-        bounds = [r["decode_bound_tokens_per_s"] for r in results if r["batch"] == batch and r["bits"] is None]
-        if bounds:
-            decode_axis.hlines(max(bounds), position - width / 2, position + 0.8 - width / 2, colors="k",
-                               linestyles="dashed", label="float32 bandwidth bound" if position == 0 else None)
-    for axis, title in ((decode_axis, "decode tokens/s (higher is better)"), (prefill_axis, "prefill ms (lower is better)")):
-        axis.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], [f"batch {b}" for b in batches])
-        axis.set_title(title)
-    decode_axis.legend(fontsize=7)
-    machine = report["machine"]
-    figure.suptitle(f"{machine['cpu']}, {machine['threads']} threads, read {machine['read_bandwidth_gbs']:.1f} GB/s")
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def bench_table(report: dict) -> str:
-    machine = report["machine"]
-    load = machine.get("load_average") or [float("nan")]
-    lines = [f"machine: {machine['cpu']}, {machine['threads']} threads, measured read bandwidth "
-             f"{machine['read_bandwidth_gbs']:.1f} GB/s, load average {load[0]:.1f} at the end; onnxruntime "
-             f"{machine['versions']['onnxruntime']}, torch {machine['versions']['torch']}",
-             f"{'backend':<44} {'batch':>5} {'prefill ms (min-max)':>24} {'decode tok/s (min-max)':>26} "
-             f"{'bound':>8} {'of bound':>8} {'peak RSS MB':>11}"]
-    for r in report["results"]:
-        prefill = f"{r['prefill_ms']:.1f} ({r['prefill_ms_min']:.1f}-{r['prefill_ms_max']:.1f})"
-        decode = (f"{r['decode_tokens_per_s']:.1f} ({r['decode_tokens_per_s_min']:.1f}-"
-                  f"{r['decode_tokens_per_s_max']:.1f})")
-        lines.append(f"{label(r):<44} {r['batch']:>5} {prefill:>24} {decode:>26} "
-                     f"{r['decode_bound_tokens_per_s']:>8.1f} {r['bandwidth_fraction']:>8.0%} {r['peak_rss_mb']:>11.0f}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

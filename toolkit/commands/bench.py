@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from toolkit.bench.bench import BenchSettings, bench, bench_table, parse_batches, smollm2_gguf, time_export, write_png
+from toolkit.bench.bench import BenchSettings, bench, parse_batches, smollm2_gguf, time_export
+from toolkit.bench.report import bench_table, write_png
 from toolkit.plotting import pyplot
 from toolkit.commands.common import split_backends, write_text_atomically
 from artifact.errors import ModelFileError

@@ -1,51 +1,23 @@
-"""Helpers shared by the CLI commands: atomic report files, npz feeds, backend lists."""
+"""Helpers shared by the CLI commands: npz feeds, backend lists, and the foundation's atomic file writers."""
 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from artifact.errors import InputError, ToolkitError
+from artifact.read import max_model_bytes
+from artifact.write import save_npz_atomically, write_text_atomically
 
-
-def write_text_atomically(path: str | Path, text: str) -> None:
-    path = Path(path)
-    if path.is_dir():
-        raise ToolkitError(f"{path} is a directory; give a file path for the report")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def save_npz_atomically(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+__all__ = ["load_npz", "save_npz_atomically", "split_backends", "write_text_atomically"]
 
 
 def load_npz(path: str | Path) -> dict[str, np.ndarray]:
     """Read an --inputs .npz: plain arrays only (never pickles), each member's header checked against
     the member's size before numpy allocates for it, the total bounded by $TOOLKIT_MAX_MODEL_BYTES."""
-    from artifact import max_model_bytes
-
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such inputs file")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from models.artifacts import artifact_config, open_artifact
+from models.tokenizer import load_tokenizer
 from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
-from toolkit.serve.streaming import TextStream, load_tokenizer
+from toolkit.serve.streaming import TextStream
 
 
 @click.command("generate")

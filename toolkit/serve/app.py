@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from artifact.errors import InputError, ModelFileError
 from models.artifacts import artifact_config, open_artifact
-from models.tokenizer import TextTokenizer
+from models.tokenizer import TextTokenizer, load_tokenizer
 from runners.decoding.batching import BatchEngine, QueueFull
 from runners.decoding.batching import Request as EngineRequest
 from runners.decoding.generate import Sampling
@@ -36,7 +36,7 @@ from toolkit.serve.schema import (
     sse_event,
     validation_error,
 )
-from toolkit.serve.streaming import TextStream, load_tokenizer
+from toolkit.serve.streaming import TextStream
 
 RETRY_AFTER_SECONDS = 1
 RETRY_LATER = {"Retry-After": str(RETRY_AFTER_SECONDS)}

@@ -6,20 +6,9 @@ Shared by `toolkit serve` and `toolkit generate`; nothing here knows about HTTP 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
-
-from artifact.errors import ModelFileError
-from models.tokenizer import TOKENIZER_FILE, TextTokenizer
 
 # What the tokenizer decodes an incomplete UTF-8 sequence to.
 REPLACEMENT = "\ufffd"
-
-
-def load_tokenizer(artifact, shown: str | Path) -> TextTokenizer:
-    """The artifact's tokenizer; `shown` names the artifact in the error when there is none."""
-    if artifact.directory is None or not (artifact.directory / TOKENIZER_FILE).is_file():
-        raise ModelFileError(f"{shown}: no tokenizer in the artifact; export a checkpoint with --from")
-    return TextTokenizer.from_artifact(artifact.directory)
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int:

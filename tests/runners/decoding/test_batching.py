@@ -24,6 +24,9 @@ from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
 from artifact.errors import InputError
 
+pytestmark = pytest.mark.slow
+GREEDY = Sampling()
+
 # --------------------------------------------------------------------------- shared artifact
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -136,7 +139,7 @@ def make_engine(engine_runner):
             assert not engine._thread.is_alive(), "the engine thread did not stop"
 
 
-def make_request(prompt_ids, max_tokens, sampling=Sampling(), stop_ids=(), on_token=None) -> Request:
+def make_request(prompt_ids, max_tokens, sampling=GREEDY, stop_ids=(), on_token=None) -> Request:
     """A Request whose events are recorded; `.done` is set on its "done" or "error" event."""
     events: list[tuple[str, object]] = []
     done = threading.Event()
@@ -169,7 +172,7 @@ def finish(request) -> tuple[list[int], str]:
     return tokens, request.events[-1][1]
 
 
-def oracle(lm, prompt_ids, max_tokens, sampling=Sampling(), stop_ids=()):
+def oracle(lm, prompt_ids, max_tokens, sampling=GREEDY, stop_ids=()):
     result = generate(lm, list(prompt_ids), max_new_tokens=max_tokens, sampling=sampling, stop_ids=tuple(stop_ids))
     return result.tokens, result.finish_reason
 

@@ -19,6 +19,9 @@ from tests.toolkit.test_cli import assert_user_error, invoke
 from models.artifacts import open_artifact
 from toolkit.bench.bench import BenchSettings, bench
 from toolkit.quantize.pipeline import quantize_artifact
+from tests.optional import import_or_skip
+
+pytestmark = pytest.mark.slow
 
 CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128,
           "max_positions": 16}
@@ -108,7 +111,7 @@ def test_bandwidth_fraction_rederived(report):
 
 
 def test_cli_isolated_json_png(artifacts, tmp_path):
-    pytest.importorskip("matplotlib", reason="the --png chart needs matplotlib (the plot extra)")
+    import_or_skip("matplotlib", reason="the --png chart needs matplotlib (the plot extra)")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = invoke("bench", artifacts[0].directory, "--backends", "ort-cpu", "--prompt-len", 2, "--new-tokens", 2,
                     "--batch", 1, "--repeats", 1, "--warmup", 0, "--threads", 1, "--json", out, "--png", png)

@@ -30,6 +30,8 @@ from artifact.errors import ConfigError, ModelFileError
 from toolkit.quantize.pipeline import quantize_artifact
 from models.artifacts import artifact_config
 
+pytestmark = pytest.mark.slow
+
 CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128,
           "max_positions": 48}
 IDS = np.array([[3, 17, 42, 5, 88, 61, 0, 95, 23, 7]], dtype=np.int64)

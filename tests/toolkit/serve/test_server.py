@@ -29,8 +29,11 @@ from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
 from tests.runners.decoding.test_batching import MAX_POSITIONS, tiny_lm
 from toolkit.cli import main
+from tests.optional import import_or_skip
 
-openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+openai = import_or_skip("openai", reason="the OpenAI client is the test extra that talks to the server")
 
 GREEDY = Sampling()
 SERVER_MAX_TOKENS = 120  # --max-tokens of every server here

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from artifact.errors import ModelFileError
-from toolkit.serve.streaming import TextStream, find_stop, load_tokenizer, stop_prefix_length
+from models.tokenizer import load_tokenizer
+from toolkit.serve.streaming import TextStream, find_stop, stop_prefix_length
 
 EURO = "\u20ac"  # E2 82 AC in UTF-8
 
