@@ -29,9 +29,10 @@ def main():
 
 
 def _register() -> None:
-    from toolkit.commands import bench, check, depth, export, generate, inspect, presets, quantize, run, serve, trace
+    from toolkit.commands import (bench, check, depth, export, generate, inspect, presets, quantize, run, serve,
+                                  walkthrough)
 
-    for module in (export, check, run, generate, serve, trace, inspect, presets, depth, quantize, bench):
+    for module in (export, check, run, generate, serve, walkthrough, inspect, presets, depth, quantize, bench):
         main.add_command(module.command)
 
 

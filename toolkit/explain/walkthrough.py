@@ -71,7 +71,7 @@ def gradient_check(model: torch.nn.Module, x: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def worked_example_trace() -> dict:
+def worked_example_walkthrough() -> dict:
     model = build_worked_example().double()
     x = torch.from_numpy(worked_example_inputs()["hidden_states"]).double()
     stages = model(x)

@@ -15,7 +15,7 @@ import toolkit.explain.walkthrough as trace_mod
 from models.llama import ProbedBlockConfig
 from models.registry import build_model
 from models.worked_example import build_worked_example, worked_example_inputs
-from toolkit.explain.walkthrough import gradient_check, render_text, worked_example_trace
+from toolkit.explain.walkthrough import gradient_check, render_text, worked_example_walkthrough
 
 # hand-derived worked-example quantities (see tests/models/test_llama.py for the derivation)
 P0 = 1 / (1 + math.exp((4 + 4 * math.sin(1)) / math.sqrt(2)))  # head 0, query 1, key 0
@@ -25,7 +25,7 @@ PROBE = [[1.0, 0.0, -1.0], [0.0, 1.0, -1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
 
 @pytest.fixture(scope="module")
 def trace():
-    return worked_example_trace()
+    return worked_example_walkthrough()
 
 
 def _stub_gradient_check(model, x):
@@ -155,7 +155,7 @@ def test_trace_detects_causality_violation(monkeypatch):
 
     monkeypatch.setattr(trace_mod, "build_worked_example", _patched_builder(leak_last_token))
     monkeypatch.setattr(trace_mod, "gradient_check", _stub_gradient_check)
-    t = worked_example_trace()
+    t = worked_example_walkthrough()
     assert t["causality"]["passed"] is False
     assert t["causality"]["prefix_rows_bitwise_equal"]["block.0.output"] is False
     assert t["causality"]["prefix_rows_bitwise_equal"]["block.0.attention_norm"] is True
@@ -170,7 +170,7 @@ def test_trace_detects_masked_probability_leak(monkeypatch):
 
     monkeypatch.setattr(trace_mod, "build_worked_example", _patched_builder(leak_mask))
     monkeypatch.setattr(trace_mod, "gradient_check", _stub_gradient_check)
-    t = worked_example_trace()
+    t = worked_example_walkthrough()
     flags = [(e["query"], e["masked_exactly_zero"]) for e in t["attention"]]
     assert flags == [(0, False), (1, False), (2, True)] * 2  # query 2 has no masked keys
     assert "MASKED NOT ZERO" in render_text(t)
