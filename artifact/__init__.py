@@ -60,6 +60,3 @@ from artifact.write import (
     write_artifact,
     write_text_atomically,
 )
-
-__all__ = [name for name in dir() if not name.startswith("_") and name not in ("errors", "format", "hashing",
-                                                                               "protobuf", "read", "write")]

@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 from artifact.errors import InputError, ModelFileError
-from artifact.format import is_cache_input, present_name, tensor_specs
+from artifact.format import present_name, tensor_specs
+from runners.decoding.cache import KVCache
 
 
 class Runner:
@@ -57,48 +58,6 @@ class Runner:
         outputs = self.run({**feed, **cache.values}, trusted=trusted)
         cache.values = {name: outputs[present_name(name)] for name in cache.names}
         return outputs["logits"]
-
-
-class KVCache:
-    """The KV cache a runner carries between decode steps: the past.* values as that runner returns them
-    (numpy arrays here; OrtValues on ONNX Runtime) and how many positions of history they hold."""
-
-    shared = False  # one pre-allocated buffer per input, written in place (ONNX Runtime's GroupQueryAttention)
-
-    def __init__(self, specs, max_positions: int):
-        self.specs = {s.name: s for s in tensor_specs(specs) if is_cache_input(s.name)}
-        if not self.specs:
-            raise InputError(
-                "this artifact has no KV cache inputs; export it with `--variant serving` to generate text"
-            )
-        self.max_positions = max_positions
-        self.planned = 0
-        self.reset()
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.specs)
-
-    @property
-    def capacity(self) -> int:
-        """Positions a pre-allocated buffer holds (0 when the cache is concatenated each step)."""
-        return 0
-
-    def reset(self) -> None:
-        self.values: dict = {}
-        self.length = 0
-
-    def reserve(self, positions: int) -> None:
-        """Say how many positions the next generation will hold, so a shared buffer is allocated once."""
-        self.planned = min(int(positions), self.max_positions)
-
-    def empty(self, batch: int) -> dict[str, np.ndarray]:
-        """An empty history (past_sequence 0) of `batch` rows, as numpy arrays."""
-        out = {}
-        for name, spec in self.specs.items():
-            shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec.shape]
-            out[name] = np.zeros(shape, dtype=spec.dtype)
-        return out
 
 
 def check_feed(specs, inputs: dict, config=None, trusted=()) -> dict[str, np.ndarray]:

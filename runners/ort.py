@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from artifact.format import SHARED_KV_CACHE, present_name
-from runners.base import KVCache, Runner, check_feed
+from runners.base import Runner, check_feed
+from runners.decoding.cache import KVCache
 from artifact.errors import BackendUnavailableError, ModelFileError
 
 PROVIDERS = {

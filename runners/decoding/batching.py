@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from artifact.format import present_name
-from runners.base import KVCache
+from runners.decoding.cache import KVCache
 from runners.decoding.generate import Sampler, Sampling
 from artifact.errors import InputError
 

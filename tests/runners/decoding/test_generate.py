@@ -17,7 +17,8 @@ from runners.decoding.generate import CachedLM, Sampler, Sampling, generate
 from runners.registry import create_runner
 from models.presets import get_preset
 from artifact.errors import ConfigError, InputError
-from runners.base import KVCache, Runner
+from runners.base import Runner
+from runners.decoding.cache import KVCache
 from runners.ort import BoundKVCache
 
 PRESET = "decoder-small"  # random tiny LLaMA (V=96, 2 layers, max_positions=32), exported once per session
