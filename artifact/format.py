@@ -91,8 +91,12 @@ class WeightPlace:
 
     @classmethod
     def of(cls, entry: Mapping) -> WeightPlace:
-        return cls(entry.get("initializer"), bool(entry.get("transpose")),
-                   tuple(entry["slice"]) if entry.get("slice") else None, entry.get("quantized") or None)
+        return cls(
+            entry.get("initializer"),
+            bool(entry.get("transpose")),
+            tuple(entry["slice"]) if entry.get("slice") else None,
+            entry.get("quantized") or None,
+        )
 
     def to_dict(self) -> dict:
         out = {"initializer": self.initializer, "transpose": self.transpose}
@@ -250,12 +254,20 @@ def parse_manifest(manifest, where, needs_hash: bool = True) -> Manifest:
         raise ModelFileError(f"{where}: manifest 'graphs' must be a non-empty list; re-run `toolkit export`")
     graphs = tuple(_parse_graph(entry, where, needs_hash) for entry in manifest["graphs"])
     return Manifest(
-        family=manifest["family"], variant=manifest["variant"], config=manifest["config"], graphs=graphs,
-        preset=manifest.get("preset"), seed=manifest.get("seed"),
-        lowering=manifest.get("lowering") or DEFAULT_LOWERING, dtype=manifest.get("dtype") or DEFAULT_DTYPE,
-        quantization=manifest.get("quantization") or None, source=manifest.get("source"),
-        extra_files=MappingProxyType(extra), versions=manifest.get("versions"),
-        custom_domains=manifest.get("custom_domains") or {}, data=manifest,
+        family=manifest["family"],
+        variant=manifest["variant"],
+        config=manifest["config"],
+        graphs=graphs,
+        preset=manifest.get("preset"),
+        seed=manifest.get("seed"),
+        lowering=manifest.get("lowering") or DEFAULT_LOWERING,
+        dtype=manifest.get("dtype") or DEFAULT_DTYPE,
+        quantization=manifest.get("quantization") or None,
+        source=manifest.get("source"),
+        extra_files=MappingProxyType(extra),
+        versions=manifest.get("versions"),
+        custom_domains=manifest.get("custom_domains") or {},
+        data=manifest,
     )
 
 
@@ -271,14 +283,13 @@ def _parse_graph(entry, where, needs_hash: bool) -> GraphEntry:
     if not isinstance(file, str) or not file or Path(file).name != file or file in (".", ".."):
         raise ModelFileError(f"{where}: graph file {file!r:.80} must be a plain file name")
     if needs_hash and not _is_hex_digest(entry["sha256"]):
-        raise ModelFileError(
-            f"{where}: graph {name!r} sha256 must be 64 hex digits, got {entry['sha256']!r:.80}"
-        )
+        raise ModelFileError(f"{where}: graph {name!r} sha256 must be 64 hex digits, got {entry['sha256']!r:.80}")
     if not isinstance(entry["weights"], dict):
         raise ModelFileError(f"{where}: graph {name!r} 'weights' must be an object")
     outputs = entry["outputs"]
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
-                                                for o in outputs):
+    if not isinstance(outputs, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
+    ):
         raise ModelFileError(f"{where}: graph {name!r} 'outputs' must be a list of {{\"name\": ...}} objects")
     inputs = entry["inputs"]
     if not isinstance(inputs, list):
@@ -291,10 +302,17 @@ def _parse_graph(entry, where, needs_hash: bool) -> GraphEntry:
             raise ModelFileError(f"{where}: graph {name!r} weight {weight!r:.80} must map to an object")
         weights[weight] = WeightPlace.of(place)
     return GraphEntry(
-        name=name, file=file, inputs=tensor_specs(inputs), outputs=tensor_specs(outputs),
-        weights=MappingProxyType(weights), sha256=entry.get("sha256"), stages=tuple(entry.get("stages") or ()),
-        custom_ops=tuple(entry.get("custom_ops") or ()), attention_op=entry.get("attention_op"),
-        kv_cache=entry.get("kv_cache"), data=entry,
+        name=name,
+        file=file,
+        inputs=tensor_specs(inputs),
+        outputs=tensor_specs(outputs),
+        weights=MappingProxyType(weights),
+        sha256=entry.get("sha256"),
+        stages=tuple(entry.get("stages") or ()),
+        custom_ops=tuple(entry.get("custom_ops") or ()),
+        attention_op=entry.get("attention_op"),
+        kv_cache=entry.get("kv_cache"),
+        data=entry,
     )
 
 
@@ -302,11 +320,13 @@ def _check_input_spec(spec, where: str) -> None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ModelFileError(f"{where}: an input spec must be an object with a 'name', got {spec!r:.80}")
     if spec.get("dtype") not in SPEC_DTYPES:
-        raise ModelFileError(f"{where}: input {spec['name']!r} dtype {spec.get('dtype')!r:.40} is not one of "
-                             f"{', '.join(SPEC_DTYPES)}")
+        raise ModelFileError(
+            f"{where}: input {spec['name']!r} dtype {spec.get('dtype')!r:.40} is not one of {', '.join(SPEC_DTYPES)}"
+        )
     shape = spec.get("shape")
     if not isinstance(shape, list) or not all(
         (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d) for d in shape
     ):
-        raise ModelFileError(f"{where}: input {spec['name']!r} shape must be a list of sizes and axis names, "
-                             f"got {shape!r:.80}")
+        raise ModelFileError(
+            f"{where}: input {spec['name']!r} shape must be a list of sizes and axis names, got {shape!r:.80}"
+        )

@@ -37,10 +37,13 @@ def serialize_model(model: onnx.ModelProto) -> bytearray:
         sizes = [tensor.ByteSize() for tensor in model.graph.initializer]
         init_tag = _varint(init_field.number << 3 | 2)  # wire type 2: length-delimited
         graph_head_bytes, graph_tail_bytes = graph_head.SerializeToString(), graph_tail.SerializeToString()
-        graph_size = len(graph_head_bytes) + len(graph_tail_bytes) + sum(
-            len(init_tag) + len(_varint(size)) + size for size in sizes)
+        graph_size = (
+            len(graph_head_bytes)
+            + len(graph_tail_bytes)
+            + sum(len(init_tag) + len(_varint(size)) + size for size in sizes)
+        )
         out += _varint(graph_field.number << 3 | 2) + _varint(graph_size) + graph_head_bytes
-        for tensor, size in zip(model.graph.initializer, sizes):
+        for tensor, size in zip(model.graph.initializer, sizes, strict=False):
             # One initializer at a time (a few MB), appended to the one buffer (grown in place).
             out += init_tag + _varint(size)
             out += tensor.SerializeToString()
@@ -67,8 +70,9 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-
-def weightless(model: onnx.ModelProto, threshold: int | None = None, raw_sizes: list[int] | None = None) -> onnx.ModelProto:
+def weightless(
+    model: onnx.ModelProto, threshold: int | None = None, raw_sizes: list[int] | None = None
+) -> onnx.ModelProto:
     """A copy of `model` whose initializers over `threshold` bytes are graph inputs of the same type and shape.
 
     The ONNX checker and shape inference serialise the model they are given, which for a real
@@ -98,7 +102,6 @@ def weightless(model: onnx.ModelProto, threshold: int | None = None, raw_sizes: 
     return skeleton
 
 
-
 class NotText(ValueError):
     pass
 
@@ -110,7 +113,7 @@ def decode_strings(message) -> None:
     for field, value in _set_fields(message):
         repeated = is_repeated(field)
         if field.type == field.TYPE_MESSAGE:
-            for item in (value if repeated else (value,)):
+            for item in value if repeated else (value,):
                 decode_strings(item)
         elif field.type == field.TYPE_STRING:
             if not all(isinstance(v, str) for v in (value if repeated else (value,))):
@@ -127,7 +130,6 @@ def _set_fields(message):
     if not isinstance(message, onnx.TensorProto):
         return message.ListFields()
     return [(field, getattr(message, field.name)) for field in _TENSOR_TEXT_FIELDS]
-
 
 
 def all_tensors(model):
@@ -165,4 +167,3 @@ def all_tensors(model):
 
 def is_external(tensor) -> bool:
     return tensor.data_location == onnx.TensorProto.EXTERNAL
-

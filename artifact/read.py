@@ -15,10 +15,24 @@ from pathlib import Path
 
 import onnx
 
-from artifact.errors import (ConfigError, CorruptModelError, ExternalDataError, HashMismatchError, ModelFileError,
-                             ModelTooLargeError, UnsupportedOpsetError)
-from artifact.format import (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, MANIFEST_FILE, METADATA_KEY, Artifact,
-                             GraphArtifact, parse_manifest)
+from artifact.errors import (
+    ConfigError,
+    CorruptModelError,
+    ExternalDataError,
+    HashMismatchError,
+    ModelFileError,
+    ModelTooLargeError,
+    UnsupportedOpsetError,
+)
+from artifact.format import (
+    CUSTOM_DOMAIN,
+    CUSTOM_DOMAIN_VERSION,
+    MANIFEST_FILE,
+    METADATA_KEY,
+    Artifact,
+    GraphArtifact,
+    parse_manifest,
+)
 from artifact.hashing import sha256_bytes, sha256_file
 from artifact.protobuf import NotText, all_tensors, decode_strings, is_external, weightless
 from artifact.write import glob_escape, write_artifact
@@ -39,8 +53,11 @@ DEFAULT_MAX_MODEL_BYTES = 4 << 30  # 4 GiB: twice the 2 GiB protobuf limit of a 
 # file from being read into memory and parsed into Python objects at many times its size.
 MAX_MANIFEST_BYTES = 16 << 20
 # Packed types whose elements are narrower than a byte (numpy's stand-in dtype is wider).
-_SUB_BYTE_TYPES = {getattr(onnx.TensorProto, name): bits for name, bits in
-                   (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)) if hasattr(onnx.TensorProto, name)}
+_SUB_BYTE_TYPES = {
+    getattr(onnx.TensorProto, name): bits
+    for name, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+    if hasattr(onnx.TensorProto, name)
+}
 
 
 def max_model_bytes(override: int | None = None) -> int:
@@ -55,7 +72,9 @@ def max_model_bytes(override: int | None = None) -> int:
         try:
             value = int(raw.strip())
         except ValueError:
-            raise ConfigError(f"{source}={raw!r}: expected a positive number of bytes, e.g. {DEFAULT_MAX_MODEL_BYTES}") from None
+            raise ConfigError(
+                f"{source}={raw!r}: expected a positive number of bytes, e.g. {DEFAULT_MAX_MODEL_BYTES}"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}={value!r}: expected a positive number of bytes")
     return value
@@ -67,6 +86,7 @@ def _check_size(path: Path, size: int, limit: int, what: str = "model") -> None:
             f"{path}: {what} is {size:,} bytes, above the limit of {limit:,}; "
             f"raise it with ${MAX_MODEL_BYTES_ENV} or max_bytes= if you trust this file"
         )
+
 
 def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> Artifact:
     """Load an artifact directory (manifest + graphs, hashes checked) or a lone single-graph .onnx file.
@@ -80,8 +100,10 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
     if not path.exists():
         aside = sorted(path.parent.glob(f".{glob_escape(path.name)}.old-*")) if path.name else []
         if aside:
-            raise ModelFileError(f"{path}: missing; an interrupted write left the previous artifact at {aside[-1]}; "
-                                 "the next export to this path restores it (or rename it back)")
+            raise ModelFileError(
+                f"{path}: missing; an interrupted write left the previous artifact at {aside[-1]}; "
+                "the next export to this path restores it (or rename it back)"
+            )
         raise ModelFileError(f"{path}: no such file or directory; pass an artifact directory from `toolkit export`")
     if not path.is_dir():
         return _load_lone_onnx(path, limit)
@@ -91,8 +113,10 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
     _check_inside(manifest_path, path)
     manifest_size = manifest_path.stat().st_size
     if manifest_size > MAX_MANIFEST_BYTES:
-        raise ModelFileError(f"{manifest_path}: {manifest_size:,} bytes, above the {MAX_MANIFEST_BYTES:,} a manifest "
-                             "may have; this is not a manifest `toolkit export` wrote")
+        raise ModelFileError(
+            f"{manifest_path}: {manifest_size:,} bytes, above the {MAX_MANIFEST_BYTES:,} a manifest "
+            "may have; this is not a manifest `toolkit export` wrote"
+        )
     try:
         manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -123,7 +147,9 @@ def _load_lone_onnx(path: Path, limit: int) -> Artifact:
     model = validate_onnx(path, max_bytes=limit)
     props = {p.key: p.value for p in model.metadata_props}
     if METADATA_KEY not in props:
-        raise ModelFileError(f"{path}: ONNX file has no {METADATA_KEY} metadata; it was not written by `toolkit export`")
+        raise ModelFileError(
+            f"{path}: ONNX file has no {METADATA_KEY} metadata; it was not written by `toolkit export`"
+        )
     try:
         manifest = json.loads(props[METADATA_KEY])
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -187,19 +213,25 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | Non
     try:
         model = onnx.ModelProto.FromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise CorruptModelError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it") from None
+        raise CorruptModelError(
+            f"{path}: not a readable ONNX model ({type(exc).__name__}: {exc}); re-export it"
+        ) from None
     del data
     try:
         decode_strings(model)
     except UnicodeDecodeError as exc:
-        raise CorruptModelError(f"{path}: not a readable ONNX model (a text field is not UTF-8: {exc.reason}); "
-                                "re-export it") from None
+        raise CorruptModelError(
+            f"{path}: not a readable ONNX model (a text field is not UTF-8: {exc.reason}); re-export it"
+        ) from None
     except NotText as exc:
-        raise CorruptModelError(f"{path}: not a readable ONNX model (text field {exc} is not UTF-8); "
-                                "re-export it") from None
+        raise CorruptModelError(
+            f"{path}: not a readable ONNX model (text field {exc} is not UTF-8); re-export it"
+        ) from None
     if not model.HasField("graph") or model.ir_version < 1:
-        raise CorruptModelError(f"{path}: not a readable ONNX model (no graph or no IR version: truncated or not "
-                                "an ONNX file); re-export it")
+        raise CorruptModelError(
+            f"{path}: not a readable ONNX model (no graph or no IR version: truncated or not "
+            "an ONNX file); re-export it"
+        )
     _check_opsets(model, path)
     external = _check_external_data(model, path)
     _check_size(path, size + external, limit, "model with its external data")
@@ -209,10 +241,10 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | Non
         onnx.checker.check_model(str(path) if external else weightless(model, raw_sizes=raw_sizes))
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptModelError(f"{path}: not a readable ONNX model (the ONNX checker says: {first}); "
-                                "re-export it") from None
+        raise CorruptModelError(
+            f"{path}: not a readable ONNX model (the ONNX checker says: {first}); re-export it"
+        ) from None
     return model
-
 
 
 def check_initializer_sizes(model: onnx.ModelProto, path: Path) -> list[int]:
@@ -233,22 +265,25 @@ def check_initializer_sizes(model: onnx.ModelProto, path: Path) -> list[int]:
         count = 1
         for dim in tensor.dims:
             if dim < 0:
-                raise CorruptModelError(f"{path}: initializer {tensor.name!r} has a negative dimension {dim}; "
-                                        "re-export it")
+                raise CorruptModelError(
+                    f"{path}: initializer {tensor.name!r} has a negative dimension {dim}; re-export it"
+                )
             count *= dim
         expected = (count * bits + 7) // 8
         if raw_size != expected:
             raise CorruptModelError(
                 f"{path}: initializer {tensor.name!r} holds {raw_size} bytes, its shape "
-                f"{list(tensor.dims)} and dtype need {expected}; re-export it")
+                f"{list(tensor.dims)} and dtype need {expected}; re-export it"
+            )
     return raw_sizes
-
 
 
 def _check_opsets(model, path: Path) -> None:
     if model.ir_version > onnx.IR_VERSION:
-        raise UnsupportedOpsetError(f"{path}: ONNX IR version {model.ir_version} is newer than this toolkit's "
-                                    f"onnx reads ({onnx.IR_VERSION}); upgrade onnx or re-export")
+        raise UnsupportedOpsetError(
+            f"{path}: ONNX IR version {model.ir_version} is newer than this toolkit's "
+            f"onnx reads ({onnx.IR_VERSION}); upgrade onnx or re-export"
+        )
     imports = [("model", o) for o in model.opset_import]
     imports += [(f"function {f.domain}::{f.name}", o) for f in model.functions for o in f.opset_import]
     for owner, opset in imports:

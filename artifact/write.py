@@ -25,8 +25,15 @@ from artifact.hashing import sha256_bytes
 from artifact.protobuf import serialize_model
 
 
-def pack_artifact(manifest: dict, protos: dict, extra_files: dict[str, bytes] | None = None, *,
-                  embedded=None, before_serialise=None, keep_protos: bool = False) -> dict[str, bytes]:
+def pack_artifact(
+    manifest: dict,
+    protos: dict,
+    extra_files: dict[str, bytes] | None = None,
+    *,
+    embedded=None,
+    before_serialise=None,
+    keep_protos: bool = False,
+) -> dict[str, bytes]:
     """The files of an artifact, ready for write_artifact: each graph of `manifest["graphs"]` (its ModelProto
     in `protos`, keyed by graph name) with the manifest embedded in its metadata, serialised and hashed into
     its manifest entry; then the extra files; then manifest.json.
@@ -172,8 +179,6 @@ def swap_in(tmp: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, target)
-
-
 
 
 def write_text_atomically(path: str | Path, text: str) -> None:

@@ -17,19 +17,28 @@ from pathlib import Path
 
 import numpy as np
 
+from artifact import is_artifact_dir
 from exporters.lowerings import LOWERINGS
 from exporters.onnx_export import export_model
+from models.artifacts import artifact_config, open_artifact
 from models.llama import LlamaConfig
 from models.registry import build_model
 from runners.decoding.generate import CachedLM
 from runners.ort import OrtRunner, SessionLoader
-from artifact import is_artifact_dir
-from models.artifacts import open_artifact
-from models.artifacts import artifact_config
 
-SMOLLM2_SHAPE = LlamaConfig(vocab_size=49152, layers=30, width=576, heads=9, kv_heads=3, ff_width=1536,
-                              max_positions=2048, rope_base=100000.0, eps=1e-5, tie_embeddings=True,
-                              rope_pairing="half")
+SMOLLM2_SHAPE = LlamaConfig(
+    vocab_size=49152,
+    layers=30,
+    width=576,
+    heads=9,
+    kv_heads=3,
+    ff_width=1536,
+    max_positions=2048,
+    rope_base=100000.0,
+    eps=1e-5,
+    tie_embeddings=True,
+    rope_pairing="half",
+)
 
 
 def main() -> None:
@@ -70,14 +79,18 @@ def main() -> None:
                 results[name]["prefill_ms"].append(prefill * 1000)
                 results[name]["decode_tokens_per_s"].append(decode)
     base = {k: statistics.median(v) for k, v in results["functions"].items()}
-    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} decode steps, {args.repeats} rounds, "
-          f"{args.threads} threads; medians (best)")
+    print(
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} decode steps, {args.repeats} rounds, "
+        f"{args.threads} threads; medians (best)"
+    )
     for name, values in results.items():
         prefill, decode = statistics.median(values["prefill_ms"]), statistics.median(values["decode_tokens_per_s"])
-        print(f"{name:10s} prefill {prefill:7.1f} ms ({min(values['prefill_ms']):7.1f})  "
-              f"decode {decode:6.2f} tokens/s ({max(values['decode_tokens_per_s']):6.2f})  "
-              f"vs functions: prefill {base['prefill_ms'] / prefill:.2f}x faster, "
-              f"decode {decode / base['decode_tokens_per_s']:.2f}x")
+        print(
+            f"{name:10s} prefill {prefill:7.1f} ms ({min(values['prefill_ms']):7.1f})  "
+            f"decode {decode:6.2f} tokens/s ({max(values['decode_tokens_per_s']):6.2f})  "
+            f"vs functions: prefill {base['prefill_ms'] / prefill:.2f}x faster, "
+            f"decode {decode / base['decode_tokens_per_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -52,14 +52,22 @@ def available_lowerings() -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "smollm2-bench",
-                        help="where the artifacts go (about 2 GB; outside the repository by default)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "smollm2-bench",
+        help="where the artifacts go (about 2 GB; outside the repository by default)",
+    )
     parser.add_argument("--reuse", action="store_true", help="keep artifacts already in --work")
     parser.add_argument("--lowerings", default=",".join(LOWERINGS), help="which lowerings to export")
     parser.add_argument("--quantize-from", default=None, help="lowering to quantize (default: ort, else functions)")
-    parser.add_argument("--accuracy-level", type=int, default=4,
-                        help="MatMulNBits accuracy level of the quantized exports: 4 (int8 activations, like "
-                             "llama.cpp's q8 dot products; the fast CPU kernels) or 0 (float32 activations)")
+    parser.add_argument(
+        "--accuracy-level",
+        type=int,
+        default=4,
+        help="MatMulNBits accuracy level of the quantized exports: 4 (int8 activations, like "
+        "llama.cpp's q8 dot products; the fast CPU kernels) or 0 (float32 activations)",
+    )
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -101,8 +109,22 @@ def main() -> int:
         out = args.work / f"{source_lowering}-{name}-acc{args.accuracy_level}"
         report = out.with_name(out.name + ".quality.json")
         if not (args.reuse and (out / "manifest.json").is_file() and report.is_file()):
-            toolkit("quantize", exports[source_lowering], "--bits", bits, "--block-size", 32, "--algorithm",
-                    algorithm, "--out", out, "--accuracy-level", args.accuracy_level, "--json", report)
+            toolkit(
+                "quantize",
+                exports[source_lowering],
+                "--bits",
+                bits,
+                "--block-size",
+                32,
+                "--algorithm",
+                algorithm,
+                "--out",
+                out,
+                "--accuracy-level",
+                args.accuracy_level,
+                "--json",
+                report,
+            )
         quantized[name] = out
         quality[name] = json.loads(report.read_text())
 
@@ -110,10 +132,29 @@ def main() -> int:
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
     target = results / f"{date}-cpu.json"
-    bench_args = ["bench", *exports.values(), *quantized.values(), "--backends", "eager,ort-cpu",
-                  "--prompt-len", args.prompt_len, "--new-tokens", args.new_tokens, "--batch", args.batch,
-                  "--repeats", args.repeats, "--warmup", args.warmup, "--threads", args.threads,
-                  "--json", target, "--png", target.with_suffix(".png")]
+    bench_args = [
+        "bench",
+        *exports.values(),
+        *quantized.values(),
+        "--backends",
+        "eager,ort-cpu",
+        "--prompt-len",
+        args.prompt_len,
+        "--new-tokens",
+        args.new_tokens,
+        "--batch",
+        args.batch,
+        "--repeats",
+        args.repeats,
+        "--warmup",
+        args.warmup,
+        "--threads",
+        args.threads,
+        "--json",
+        target,
+        "--png",
+        target.with_suffix(".png"),
+    ]
     if not args.no_export_timing:
         bench_args += ["--export", "--from", gguf]
     toolkit(*bench_args)
@@ -121,10 +162,26 @@ def main() -> int:
     # llama.cpp on the same GGUF in the same run, where llama-cpp-python is importable (see llamacpp_bench.py).
     probe = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True)
     if probe.returncode == 0:
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp_bench.py"), str(gguf), "--threads",
-                        str(args.threads), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-                        "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--into", str(target)],
-                       check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "llamacpp_bench.py"),
+                str(gguf),
+                "--threads",
+                str(args.threads),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--repeats",
+                str(args.repeats),
+                "--warmup",
+                str(args.warmup),
+                "--into",
+                str(target),
+            ],
+            check=True,
+        )
     else:
         print("llama-cpp-python is not importable: no llama.cpp row (see benchmarks/llamacpp_bench.py)")
 

@@ -30,12 +30,16 @@ def main() -> int:
     args = parser.parse_args()
     seconds = []
     for k in range(args.runs):
-        done = subprocess.run([sys.executable, "-c", CHILD, args.checkpoint], cwd=ROOT, capture_output=True,
-                              text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, args.checkpoint], cwd=ROOT, capture_output=True, text=True, check=True
+        )
         result = json.loads(done.stdout.strip().splitlines()[-1])
         seconds.append(result["seconds"])
-        print(f"run {k + 1}: {result['seconds']:.1f} s (import {result['import_seconds']:.1f} s, "
-              f"export {result['export_seconds']:.1f} s)", flush=True)
+        print(
+            f"run {k + 1}: {result['seconds']:.1f} s (import {result['import_seconds']:.1f} s, "
+            f"export {result['export_seconds']:.1f} s)",
+            flush=True,
+        )
     print(f"median of {args.runs}: {statistics.median(seconds):.1f} s")
     return 0
 

@@ -41,27 +41,71 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
             report = Path(tmp) / f"ort-{k}.json"
-            subprocess.run([*TOOLKIT, "bench", str(args.int4_artifact), "--backends", "ort-cpu", "--batch", "1",
-                            "--threads", str(args.threads), "--repeats", str(args.repeats), "--json", str(report)],
-                           cwd=ROOT, check=True, capture_output=True)
+            subprocess.run(
+                [
+                    *TOOLKIT,
+                    "bench",
+                    str(args.int4_artifact),
+                    "--backends",
+                    "ort-cpu",
+                    "--batch",
+                    "1",
+                    "--threads",
+                    str(args.threads),
+                    "--repeats",
+                    str(args.repeats),
+                    "--json",
+                    str(report),
+                ],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+            )
             ours = json.loads(report.read_text())
-            theirs = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "llamacpp_bench.py"), str(gguf),
-                                     "--threads", str(args.threads), "--repeats", str(args.repeats)],
-                                    check=True, capture_output=True, text=True)
+            theirs = subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "llamacpp_bench.py"),
+                    str(gguf),
+                    "--threads",
+                    str(args.threads),
+                    "--repeats",
+                    str(args.repeats),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             rounds.append({"ort": ours["results"][0], "llama.cpp": json.loads(theirs.stdout.splitlines()[-1])})
-            print(f"round {k + 1}: ort int4 decode {rounds[-1]['ort']['decode_tokens_per_s']:.1f} tok/s, "
-                  f"prefill {rounds[-1]['ort']['prefill_ms']:.0f} ms | llama.cpp decode "
-                  f"{rounds[-1]['llama.cpp']['decode_tokens_per_s']:.1f} tok/s, "
-                  f"prefill {rounds[-1]['llama.cpp']['prefill_ms']:.0f} ms", flush=True)
+            print(
+                f"round {k + 1}: ort int4 decode {rounds[-1]['ort']['decode_tokens_per_s']:.1f} tok/s, "
+                f"prefill {rounds[-1]['ort']['prefill_ms']:.0f} ms | llama.cpp decode "
+                f"{rounds[-1]['llama.cpp']['decode_tokens_per_s']:.1f} tok/s, "
+                f"prefill {rounds[-1]['llama.cpp']['prefill_ms']:.0f} ms",
+                flush=True,
+            )
     summary = {}
     for side in ("ort", "llama.cpp"):
-        summary[side] = {key: statistics.median(r[side][key] for r in rounds)
-                         for key in ("decode_tokens_per_s", "prefill_ms")}
-    summary["decode_ratio_ort_over_llamacpp"] = (summary["ort"]["decode_tokens_per_s"]
-                                                 / summary["llama.cpp"]["decode_tokens_per_s"])
+        summary[side] = {
+            key: statistics.median(r[side][key] for r in rounds) for key in ("decode_tokens_per_s", "prefill_ms")
+        }
+    summary["decode_ratio_ort_over_llamacpp"] = (
+        summary["ort"]["decode_tokens_per_s"] / summary["llama.cpp"]["decode_tokens_per_s"]
+    )
     summary["prefill_speedup_ort_over_llamacpp"] = summary["llama.cpp"]["prefill_ms"] / summary["ort"]["prefill_ms"]
-    args.json.write_text(json.dumps({"machine": ours["machine"], "gguf": str(gguf), "artifact": str(args.int4_artifact),
-                                     "rounds": rounds, "median_over_rounds": summary}, indent=2) + "\n")
+    args.json.write_text(
+        json.dumps(
+            {
+                "machine": ours["machine"],
+                "gguf": str(gguf),
+                "artifact": str(args.int4_artifact),
+                "rounds": rounds,
+                "median_over_rounds": summary,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(json.dumps(summary, indent=2))
     return 0
 

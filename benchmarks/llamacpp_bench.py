@@ -31,8 +31,14 @@ SEED = 0  # toolkit.bench.bench.SEED: the same prompt ids
 def measure(gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats: int, warmup: int) -> dict:
     from llama_cpp import Llama, __version__
 
-    llm = Llama(model_path=str(gguf), n_ctx=prompt_len + new_tokens, n_batch=prompt_len, n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+    llm = Llama(
+        model_path=str(gguf),
+        n_ctx=prompt_len + new_tokens,
+        n_batch=prompt_len,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
     prompt = np.random.default_rng(SEED).integers(0, llm.n_vocab(), (1, prompt_len), dtype=np.int64)[0].tolist()
     vocab = llm.n_vocab()
     prefill, decode = [], []
@@ -51,11 +57,21 @@ def measure(gguf: Path, threads: int, prompt_len: int, new_tokens: int, repeats:
             decode.append(new_tokens / (end - middle))
     quant = gguf.stem.rsplit(".", 1)[-1].lower()  # SmolLM2-135M-Instruct.Q4_1 -> q4_1
     bits = re.match(r"q(\d+)", quant)
-    return {"backend": "llama.cpp", "lowering": None, "dtype": f"gguf-{quant}", "bits": int(bits.group(1)) if bits
-            else None, "batch": 1,
-            "prefill_ms": statistics.median(prefill), "prefill_ms_min": min(prefill), "prefill_ms_max": max(prefill),
-            "decode_tokens_per_s": statistics.median(decode), "decode_tokens_per_s_min": min(decode),
-            "decode_tokens_per_s_max": max(decode), "llama_cpp_python": __version__, "threads": threads}
+    return {
+        "backend": "llama.cpp",
+        "lowering": None,
+        "dtype": f"gguf-{quant}",
+        "bits": int(bits.group(1)) if bits else None,
+        "batch": 1,
+        "prefill_ms": statistics.median(prefill),
+        "prefill_ms_min": min(prefill),
+        "prefill_ms_max": max(prefill),
+        "decode_tokens_per_s": statistics.median(decode),
+        "decode_tokens_per_s_min": min(decode),
+        "decode_tokens_per_s_max": max(decode),
+        "llama_cpp_python": __version__,
+        "threads": threads,
+    }
 
 
 def main() -> int:

@@ -44,8 +44,11 @@ def _loopback(url: str) -> str:
 def _one(client: httpx.Client, url: str, i: int, max_tokens: int, deadline: float) -> dict:
     if time.monotonic() > deadline:
         return {"status": "skipped"}
-    body = {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": max_tokens,
-            "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     start = time.perf_counter()
     try:
         response = client.post(f"{url}/v1/chat/completions", json=body, timeout=max(1.0, deadline - time.monotonic()))
@@ -53,8 +56,12 @@ def _one(client: httpx.Client, url: str, i: int, max_tokens: int, deadline: floa
         return {"status": type(exc).__name__, "latency": time.perf_counter() - start}
     latency = time.perf_counter() - start
     tokens = response.json().get("usage", {}).get("completion_tokens", 0) if response.status_code == 200 else 0
-    return {"status": response.status_code, "latency": latency, "tokens": tokens,
-            "retry_after": response.headers.get("retry-after")}
+    return {
+        "status": response.status_code,
+        "latency": latency,
+        "tokens": tokens,
+        "retry_after": response.headers.get("retry-after"),
+    }
 
 
 def run(url: str, clients: int, requests: int, max_tokens: int, time_limit: float) -> dict:
@@ -74,9 +81,18 @@ def run(url: str, clients: int, requests: int, max_tokens: int, time_limit: floa
         if r["status"] != 200:
             errors[str(r["status"])] = errors.get(str(r["status"]), 0) + 1
     tokens = sum(r["tokens"] for r in ok)
-    return {"clients": clients, "requests": requests, "succeeded": len(ok), "errors": errors,
-            "wall_s": wall, "requests_per_s": len(ok) / wall, "tokens_per_s": tokens / wall,
-            "latency_p50_s": pct(50), "latency_p95_s": pct(95), "latency_p99_s": pct(99)}
+    return {
+        "clients": clients,
+        "requests": requests,
+        "succeeded": len(ok),
+        "errors": errors,
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": pct(50),
+        "latency_p95_s": pct(95),
+        "latency_p99_s": pct(99),
+    }
 
 
 def burst(url: str, count: int, max_tokens: int, time_limit: float) -> dict:
@@ -111,17 +127,23 @@ def main(argv=None) -> int:
     runs = [run(url, int(c), args.requests, args.max_tokens, args.time_limit) for c in args.clients.split(",")]
     report = {"url": url, "max_tokens": args.max_tokens, "runs": runs}
     for r in runs:
-        print(f"{r['clients']:>3} clients: {r['succeeded']}/{r['requests']} ok, errors {r['errors'] or 'none'}, "
-              f"{r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} tokens/s, latency p50 "
-              f"{r['latency_p50_s'] or float('nan'):.2f} s p95 {r['latency_p95_s'] or float('nan'):.2f} s "
-              f"p99 {r['latency_p99_s'] or float('nan'):.2f} s")
+        print(
+            f"{r['clients']:>3} clients: {r['succeeded']}/{r['requests']} ok, errors {r['errors'] or 'none'}, "
+            f"{r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} tokens/s, latency p50 "
+            f"{r['latency_p50_s'] or float('nan'):.2f} s p95 {r['latency_p95_s'] or float('nan'):.2f} s "
+            f"p99 {r['latency_p99_s'] or float('nan'):.2f} s"
+        )
     if len(runs) > 1 and runs[0]["tokens_per_s"] > 0:
         report["throughput_ratio"] = runs[-1]["tokens_per_s"] / runs[0]["tokens_per_s"]
-        print(f"aggregate tokens/s ratio {runs[-1]['clients']} vs {runs[0]['clients']} clients: "
-              f"{report['throughput_ratio']:.2f}x")
+        print(
+            f"aggregate tokens/s ratio {runs[-1]['clients']} vs {runs[0]['clients']} clients: "
+            f"{report['throughput_ratio']:.2f}x"
+        )
     if args.burst:
         report["burst"] = burst(url, args.burst, args.max_tokens, args.time_limit)
-        print(f"burst of {args.burst}: statuses {report['burst']['statuses']}, Retry-After {report['burst']['retry_after']}")
+        print(
+            f"burst of {args.burst}: statuses {report['burst']['statuses']}, Retry-After {report['burst']['retry_after']}"
+        )
     if args.json_file:
         with open(args.json_file, "w") as handle:
             json.dump(report, handle, indent=2)

@@ -39,8 +39,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, SHARED_KV_CACHE, Manifest
 from artifact.errors import ExportError
+from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, SHARED_KV_CACHE, Manifest
 from exporters.replicate import SCOPES_KEY, topological  # SCOPES_KEY: torch.onnx's per-node module path metadata
 
 LOWERINGS = ("functions", "standard", "ort")
@@ -65,14 +65,18 @@ def unsupported_backends(manifest: Manifest) -> dict[str, str]:
     """{backend: why} for backends that cannot run an artifact's graphs (none for most artifacts)."""
     if manifest.lowering != "ort":
         return {}
-    out = {REFERENCE_BACKEND: "its graphs use ONNX Runtime's com.microsoft kernels, which the ONNX reference "
-                              "evaluator does not implement; check it with eager and ort-cpu, or re-export "
-                              "with --lowering standard or functions to run it there"}
+    out = {
+        REFERENCE_BACKEND: "its graphs use ONNX Runtime's com.microsoft kernels, which the ONNX reference "
+        "evaluator does not implement; check it with eager and ort-cpu, or re-export "
+        "with --lowering standard or functions to run it there"
+    }
     gqa = any(str(g.attention_op or "").endswith("GroupQueryAttention") for g in manifest.graphs)
     if gqa and manifest.dtype not in GQA_CUDA_DTYPES:
-        why = (f"ONNX Runtime's CUDA GroupQueryAttention kernel takes {' and '.join(GQA_CUDA_DTYPES)} only, and this "
-               f"artifact is {manifest.dtype}; re-export with --dtype float16 (or --lowering "
-               "standard) to run it on the GPU")
+        why = (
+            f"ONNX Runtime's CUDA GroupQueryAttention kernel takes {' and '.join(GQA_CUDA_DTYPES)} only, and this "
+            f"artifact is {manifest.dtype}; re-export with --dtype float16 (or --lowering "
+            "standard) to run it on the GPU"
+        )
         out.update({backend: why for backend in GPU_ORT_BACKENDS})
     return out
 
@@ -85,17 +89,22 @@ def check_supported(family: str, config, lowering: str) -> None:
     refusals = {
         "gpt": "the gpt family's LayerNorm, GELU MLP with biases and learned positions",
         "encoder-decoder": "the encoder-decoder family's cross-attention and bidirectional encoder attention "
-                           "(and its LayerNorm/ReLU/biases switches)",
+        "(and its LayerNorm/ReLU/biases switches)",
     }
     if family in refusals:
-        raise ExportError(f"lowering {lowering!r} cannot express {refusals[family]}; "
-                          f"export it with --lowering {DEFAULT_LOWERING}")
+        raise ExportError(
+            f"lowering {lowering!r} cannot express {refusals[family]}; export it with --lowering {DEFAULT_LOWERING}"
+        )
     if family not in ("block", "llama"):
-        raise ExportError(f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
-                          f"export it with --lowering {DEFAULT_LOWERING}")
+        raise ExportError(
+            f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
+            f"export it with --lowering {DEFAULT_LOWERING}"
+        )
 
 
-def lower(proto: onnx.ModelProto, lowering: str, family: str, config, weights: dict) -> tuple[onnx.ModelProto, dict, dict]:
+def lower(
+    proto: onnx.ModelProto, lowering: str, family: str, config, weights: dict
+) -> tuple[onnx.ModelProto, dict, dict]:
     """Rewrite one traced graph. Returns (proto, fused weights, graph notes).
 
     weights: the pre-rewrite map {torch name: {"initializer", "transpose"}}. Fused weights
@@ -139,9 +148,16 @@ class _Rewriter:
         self.use_gqa = lowering == "ort" and head % GQA_HEAD_MULTIPLE == 0
         # Rotary inside GroupQueryAttention reads packed QKV: no Split or RotaryEmbedding node per layer.
         self.packed_gqa = self.use_gqa and head % GQA_ROTARY_HEAD_MULTIPLE == 0
-        self.notes = {"attention_op": ("com.microsoft::GroupQueryAttention" if self.use_gqa else "Attention (opset 23)"),
-                      "rotary_op": ("inside GroupQueryAttention (do_rotary)" if self.packed_gqa else
-                                    "com.microsoft::RotaryEmbedding" if lowering == "ort" else "RotaryEmbedding (opset 23)")}
+        self.notes = {
+            "attention_op": ("com.microsoft::GroupQueryAttention" if self.use_gqa else "Attention (opset 23)"),
+            "rotary_op": (
+                "inside GroupQueryAttention (do_rotary)"
+                if self.packed_gqa
+                else "com.microsoft::RotaryEmbedding"
+                if lowering == "ort"
+                else "RotaryEmbedding (opset 23)"
+            ),
+        }
 
     # ---- small builders ---------------------------------------------------------------------------------
     def name(self, hint: str) -> str:
@@ -170,7 +186,9 @@ class _Rewriter:
         """(initializer name, the weight as [in_features, out_features]) of a torch Linear weight."""
         entry = self.weights.get(torch_name)
         if entry is None:
-            raise ExportError(f"lowering {self.lowering!r}: no initializer for weight {torch_name!r} in the traced graph")
+            raise ExportError(
+                f"lowering {self.lowering!r}: no initializer for weight {torch_name!r} in the traced graph"
+            )
         array = self.array(entry["initializer"])
         return entry["initializer"], (array if entry["transpose"] else array.T)
 
@@ -194,24 +212,29 @@ class _Rewriter:
             if n.domain == CUSTOM_DOMAIN and n.op_type == "RMSNorm":
                 self.lower_norm(n)
             elif n.domain == CUSTOM_DOMAIN and id(n) not in self.removed:
-                raise ExportError(f"lowering {self.lowering!r} has no rewrite for {CUSTOM_DOMAIN}::{n.op_type}; "
-                                  f"export with --lowering {DEFAULT_LOWERING}")
+                raise ExportError(
+                    f"lowering {self.lowering!r} has no rewrite for {CUSTOM_DOMAIN}::{n.op_type}; "
+                    f"export with --lowering {DEFAULT_LOWERING}"
+                )
         kept = [n for n in graph.node if id(n) not in self.removed]
         available = self.graph_inputs | set(self.inits) | {i.name for i in self.new_inits}
         nodes = topological(kept + self.new_nodes, available)
         if nodes is None:
             produced = {o for n in kept + self.new_nodes for o in n.output}
             missing = sorted({i for n in kept + self.new_nodes for i in n.input if i not in available | produced})[:3]
-            raise ExportError(f"lowering produced a graph with unresolved values {missing or '(a cycle)'}; "
-                              "this is a toolkit bug")
+            raise ExportError(
+                f"lowering produced a graph with unresolved values {missing or '(a cycle)'}; this is a toolkit bug"
+            )
         del graph.node[:]
         graph.node.extend(nodes)
         graph.initializer.extend(self.new_inits)
         _dead_code_elimination(graph)
         leftovers = sorted({n.op_type for n in graph.node if n.op_type == "Softmax" or n.domain == CUSTOM_DOMAIN})
         if leftovers:
-            raise ExportError(f"lowering {self.lowering!r} left {leftovers} from the traced graph in place; "
-                              "the traced attention did not have the expected boundaries")
+            raise ExportError(
+                f"lowering {self.lowering!r} left {leftovers} from the traced graph in place; "
+                "the traced attention did not have the expected boundaries"
+            )
         # The custom ops are gone, and with them their opset-20 function bodies and domain.
         del self.model.functions[:]
         imports = [o for o in self.model.opset_import if o.domain != CUSTOM_DOMAIN]
@@ -244,14 +267,24 @@ class _Rewriter:
         x, weight = n.input[0], n.input[1]
         self.removed.add(id(n))
         add = self.producer.get(x)
-        residual = (self.lowering == "ort" and add is not None and add.op_type == "Add" and add.domain == ""
-                    and all(self._is_activation(v) for v in add.input))
+        residual = (
+            self.lowering == "ort"
+            and add is not None
+            and add.op_type == "Add"
+            and add.domain == ""
+            and all(self._is_activation(v) for v in add.input)
+        )
         if residual:
             # norm(a + b) and the sum itself (the residual stream) in one kernel.
             self.removed.add(id(add))
             outputs = [n.output[0], "", "", x]
-            self.node("SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], weight], outputs,
-                      domain=MS_DOMAIN, epsilon=eps)
+            self.node(
+                "SkipSimplifiedLayerNormalization",
+                [add.input[0], add.input[1], weight],
+                outputs,
+                domain=MS_DOMAIN,
+                epsilon=eps,
+            )
             self.producer[x] = self.new_nodes[-1]
             return
         # y = x / sqrt(mean(x^2, -1) + eps) * weight, statistics in float32 (stash_type 1)
@@ -267,11 +300,19 @@ class _Rewriter:
         names = [f"block.{i}.feed_forward.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         wanted = [self.weights.get(name, {}).get("initializer") for name in names]
         # The SwiGLU node reading this layer's weights (the first if identical weights repeat across layers).
-        nodes = [n for n in self.graph.node if n.domain == CUSTOM_DOMAIN and n.op_type == "SwiGLU"
-                 and id(n) not in self.removed and list(n.input[1:]) == wanted]
+        nodes = [
+            n
+            for n in self.graph.node
+            if n.domain == CUSTOM_DOMAIN
+            and n.op_type == "SwiGLU"
+            and id(n) not in self.removed
+            and list(n.input[1:]) == wanted
+        ]
         if not nodes:
-            raise ExportError(f"lowering {self.lowering!r}: no {CUSTOM_DOMAIN}::SwiGLU node reads block.{i}'s "
-                              f"feed-forward weights in the traced graph; export with --lowering {DEFAULT_LOWERING}")
+            raise ExportError(
+                f"lowering {self.lowering!r}: no {CUSTOM_DOMAIN}::SwiGLU node reads block.{i}'s "
+                f"feed-forward weights in the traced graph; export with --lowering {DEFAULT_LOWERING}"
+            )
         n = nodes[0]
         x, gate_name, up_name, down_name = n.input
         gate, up, down = (self.array(v) for v in (gate_name, up_name, down_name))  # torch [out, in] layout
@@ -283,8 +324,9 @@ class _Rewriter:
             self._record_fused(names[0], fused, 1, 0, gate.shape[0])
             self._record_fused(names[1], fused, 1, gate.shape[0], gate.shape[0] + up.shape[0])
             both = self.node("MatMul", [x, fused])
-            g, u = self.node("Split", [both, self.ints([gate.shape[0], up.shape[0]])],
-                             [self.name("gate"), self.name("up")], axis=-1)
+            g, u = self.node(
+                "Split", [both, self.ints([gate.shape[0], up.shape[0]])], [self.name("gate"), self.name("up")], axis=-1
+            )
         else:
             g = self.node("MatMul", [x, self.const(gate.T, "gate_proj_t")])
             u = self.node("MatMul", [x, self.const(up.T, "up_proj_t")])
@@ -309,8 +351,10 @@ class _Rewriter:
         for init, proj in ((k_init, "k_proj"), (v_init, "v_proj")):
             # Self-attention: K and V project the same input (the trace may share one MatMul for equal weights).
             if not any(n.op_type == "MatMul" and list(n.input) == [x, init] for n in self.consumers.get(init, [])):
-                raise ExportError(f"lowering {self.lowering!r}: {prefix}.{proj} does not read the same input as "
-                                  "q_proj (cross-attention); export with --lowering functions")
+                raise ExportError(
+                    f"lowering {self.lowering!r}: {prefix}.{proj} does not read the same input as "
+                    "q_proj (cross-attention); export with --lowering functions"
+                )
         branch = self._matmul(o_init, prefix, "o_proj").output[0]
         past = [f"past.{i}.key", f"past.{i}.value"]
         present = [f"present.{i}.key", f"present.{i}.value"]
@@ -326,31 +370,54 @@ class _Rewriter:
                 self._record_fused(f"{prefix}.{proj}.weight", qkv_init, 1, int(bounds[k]), int(bounds[k + 1]))
             qkv = self.node("MatMul", [x, qkv_init])
             if not self.packed_gqa:  # RotaryEmbedding and opset-23 Attention take q, k and v apart
-                q, k, v = self.node("Split", [qkv, self.ints(widths)],
-                                    [self.name("q"), self.name("k"), self.name("v")], axis=-1)
+                q, k, v = self.node(
+                    "Split", [qkv, self.ints(widths)], [self.name("q"), self.name("k"), self.name("v")], axis=-1
+                )
         else:
-            q = self.node("MatMul", [x, q_init if self.weights[f"{prefix}.q_proj.weight"]["transpose"]
-                                     else self.const(wq, "q_proj_t")])
-            k = self.node("MatMul", [x, k_init if self.weights[f"{prefix}.k_proj.weight"]["transpose"]
-                                     else self.const(wk, "k_proj_t")])
-            v = self.node("MatMul", [x, v_init if self.weights[f"{prefix}.v_proj.weight"]["transpose"]
-                                     else self.const(wv, "v_proj_t")])
+            q = self.node(
+                "MatMul",
+                [x, q_init if self.weights[f"{prefix}.q_proj.weight"]["transpose"] else self.const(wq, "q_proj_t")],
+            )
+            k = self.node(
+                "MatMul",
+                [x, k_init if self.weights[f"{prefix}.k_proj.weight"]["transpose"] else self.const(wk, "k_proj_t")],
+            )
+            v = self.node(
+                "MatMul",
+                [x, v_init if self.weights[f"{prefix}.v_proj.weight"]["transpose"] else self.const(wv, "v_proj_t")],
+            )
         positions = self._positions(x)
         cos, sin = self._rope_caches()
         interleaved = int(c.rope_pairing == "interleaved")
         if self.packed_gqa:
             pass  # GroupQueryAttention rotates q and k itself (do_rotary), from the packed projection
         elif self.lowering == "ort":
-            q = self.node("RotaryEmbedding", [q, positions, cos, sin], domain=MS_DOMAIN, interleaved=interleaved,
-                          num_heads=heads, rotary_embedding_dim=head)
-            k = self.node("RotaryEmbedding", [k, positions, cos, sin], domain=MS_DOMAIN, interleaved=interleaved,
-                          num_heads=kv_heads, rotary_embedding_dim=head)
+            q = self.node(
+                "RotaryEmbedding",
+                [q, positions, cos, sin],
+                domain=MS_DOMAIN,
+                interleaved=interleaved,
+                num_heads=heads,
+                rotary_embedding_dim=head,
+            )
+            k = self.node(
+                "RotaryEmbedding",
+                [k, positions, cos, sin],
+                domain=MS_DOMAIN,
+                interleaved=interleaved,
+                num_heads=kv_heads,
+                rotary_embedding_dim=head,
+            )
         else:
             q = self.node("RotaryEmbedding", [q, cos, sin, positions], interleaved=interleaved, num_heads=heads)
             k = self.node("RotaryEmbedding", [k, cos, sin, positions], interleaved=interleaved, num_heads=kv_heads)
 
-        outs = [self.name("attn"), self.name("present_key") if has_cache else "",
-                self.name("present_value") if has_cache else "", self.name("probs") if want_probs else ""]
+        outs = [
+            self.name("attn"),
+            self.name("present_key") if has_cache else "",
+            self.name("present_value") if has_cache else "",
+            self.name("probs") if want_probs else "",
+        ]
         if self.use_gqa:
             if has_cache:
                 # The kernel reads only the first seqlens_k rows of a longer past buffer and writes the new
@@ -399,11 +466,16 @@ class _Rewriter:
         share one initializer (the worked example's identities), the one torch.onnx scoped to that module."""
         users = [n for n in self.consumers.get(init, []) if n.op_type == "MatMul" and n.input[1] == init]
         if len(users) > 1:
-            users = [n for n in users if any(p.key == SCOPES_KEY and f"{prefix}.{proj}'" in p.value
-                                             for p in n.metadata_props)]
+            users = [
+                n
+                for n in users
+                if any(p.key == SCOPES_KEY and f"{prefix}.{proj}'" in p.value for p in n.metadata_props)
+            ]
         if len(users) != 1:
-            raise ExportError(f"lowering {self.lowering!r}: expected one MatMul applying {prefix}.{proj} in the "
-                              f"traced graph, found {len(users)}; export with --lowering {DEFAULT_LOWERING}")
+            raise ExportError(
+                f"lowering {self.lowering!r}: expected one MatMul applying {prefix}.{proj} in the "
+                f"traced graph, found {len(users)}; export with --lowering {DEFAULT_LOWERING}"
+            )
         return users[0]
 
     # Values shared by every layer, built once from the first layer's input.
@@ -413,8 +485,9 @@ class _Rewriter:
             batch = self.node("Slice", [shape, self.ints([0]), self.ints([1])], hint="batch")  # (1,)
             seq = self.node("Slice", [shape, self.ints([1]), self.ints([2])], hint="seq")  # (1,)
             if "past_mask" in self.graph_inputs:
-                past = self.node("Slice", [self.node("Shape", ["past_mask"]), self.ints([1]), self.ints([2])],
-                                 hint="past")
+                past = self.node(
+                    "Slice", [self.node("Shape", ["past_mask"]), self.ints([1]), self.ints([2])], hint="past"
+                )
             else:
                 past = self.ints([0])
             self.shared["dims"] = (batch, seq, past, self.node("Add", [past, seq], hint="total"))
@@ -438,8 +511,10 @@ class _Rewriter:
             # angle[p, i] = p * base^(-2i / head_width), in float64 like the oracle, stored as float32
             inv_freq = c.rope_base ** (-np.arange(0, c.head_width, 2, dtype=np.float64) / c.head_width)
             angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-            self.shared["rope"] = (self.const(np.cos(angles).astype(np.float32), "cos_cache"),
-                                   self.const(np.sin(angles).astype(np.float32), "sin_cache"))
+            self.shared["rope"] = (
+                self.const(np.cos(angles).astype(np.float32), "cos_cache"),
+                self.const(np.sin(angles).astype(np.float32), "sin_cache"),
+            )
         return self.shared["rope"]
 
     def _key_ok(self, x: str) -> str:
@@ -458,8 +533,13 @@ class _Rewriter:
             zero, one = self.const(np.array(0, np.int64), "zero"), self.const(np.array(1, np.int64), "one")
             key_pos = self.node("Range", [zero, self.node("Squeeze", [total]), one])  # (T_total,)
             query_pos = self.node("Add", [self.node("Range", [zero, self.node("Squeeze", [seq]), one]), past])  # (T,)
-            causal = self.node("LessOrEqual", [self.node("Unsqueeze", [key_pos, self.ints([0])]),
-                                               self.node("Unsqueeze", [query_pos, self.ints([1])])])  # (T, T_total)
+            causal = self.node(
+                "LessOrEqual",
+                [
+                    self.node("Unsqueeze", [key_pos, self.ints([0])]),
+                    self.node("Unsqueeze", [query_pos, self.ints([1])]),
+                ],
+            )  # (T, T_total)
             keys = self.node("Unsqueeze", [self._key_ok(x), self.ints([1, 2])])  # (B, 1, 1, T_total)
             self.shared["mask"] = self.node("And", [keys, causal])
         return self.shared["mask"]
@@ -469,8 +549,14 @@ class _Rewriter:
         if "bias" not in self.shared:
             batch, seq, _, total = self._shape_scalars(x)
             keys = self.node("Unsqueeze", [self._key_ok(x), self.ints([1, 2])])  # (B, 1, 1, T_total)
-            bias = self.node("Where", [keys, self.const(np.array(0, np.float32), "zero_f"),
-                                       self.const(np.array(-np.inf, np.float32), "minus_inf")])
+            bias = self.node(
+                "Where",
+                [
+                    keys,
+                    self.const(np.array(0, np.float32), "zero_f"),
+                    self.const(np.array(-np.inf, np.float32), "minus_inf"),
+                ],
+            )
             shape = self.node("Concat", [batch, self.ints([1]), seq, total], axis=0)
             self.shared["bias"] = self.node("Expand", [bias, shape])
         return self.shared["bias"]
@@ -521,5 +607,6 @@ def _dead_code_elimination(graph) -> None:
 def custom_domains(lowering: str) -> dict[str, int]:
     """The non-default operator domains an export with `lowering` imports."""
     check_lowering(lowering)
-    return {"functions": {CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION}, "standard": {},
-            "ort": {MS_DOMAIN: MS_DOMAIN_VERSION}}[lowering]
+    return {"functions": {CUSTOM_DOMAIN: CUSTOM_DOMAIN_VERSION}, "standard": {}, "ort": {MS_DOMAIN: MS_DOMAIN_VERSION}}[
+        lowering
+    ]

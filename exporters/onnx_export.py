@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -22,16 +21,22 @@ import torch
 import torch.nn as nn
 from onnx import numpy_helper
 
-from exporters import replicate
-from exporters import lowerings
-from exporters import precision
-from exporters.functions import OPSET, function_protos
 from artifact.errors import ConfigError, ExportError
-from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, FORMAT, FORMAT_VERSION, MODEL_FILE, TOOLKIT_VERSION, Artifact
+from artifact.format import (
+    CUSTOM_DOMAIN,
+    CUSTOM_DOMAIN_VERSION,
+    FORMAT,
+    FORMAT_VERSION,
+    MODEL_FILE,
+    TOOLKIT_VERSION,
+    Artifact,
+)
 from artifact.hashing import array_digest, sha256_bytes
 from artifact.protobuf import weightless
 from artifact.read import write_and_load
 from artifact.write import check_output_dir, pack_artifact
+from exporters import lowerings, precision, replicate
+from exporters.functions import OPSET, function_protos
 from models.registry import get_family
 
 VARIANTS = ("stages", "serving")
@@ -116,16 +121,18 @@ def export_model(
             proto.opset_import.append(onnx.helper.make_opsetid(CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION))
         used |= graph_used
         protos[graph.name] = proto
-        entries.append({
-            "name": graph.name,
-            "file": graph_file(family, graph),
-            "inputs": [s.to_dict() for s in inputs],
-            "outputs": _value_specs(proto.graph.output),
-            "stages": list(names),
-            "custom_ops": sorted(graph_used),
-            "traced_blocks": traced_blocks,
-            "weights": weights,
-        })
+        entries.append(
+            {
+                "name": graph.name,
+                "file": graph_file(family, graph),
+                "inputs": [s.to_dict() for s in inputs],
+                "outputs": _value_specs(proto.graph.output),
+                "stages": list(names),
+                "custom_ops": sorted(graph_used),
+                "traced_blocks": traced_blocks,
+                "weights": weights,
+            }
+        )
     if lowering != lowerings.DEFAULT_LOWERING:
         used = _lower(model, family, config, lowering, protos, entries)
     _check_weights_covered(model, entries)
@@ -165,8 +172,12 @@ def export_model(
 def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     # Traced sizes differ per axis name (and are >= 2) so torch.export keeps each axis symbolic and distinct.
-    sizes = {"batch": SAMPLE_BATCH, "sequence": SAMPLE_SEQUENCE, "source_sequence": SAMPLE_SEQUENCE + 1,
-             "past_sequence": SAMPLE_SEQUENCE + 2}
+    sizes = {
+        "batch": SAMPLE_BATCH,
+        "sequence": SAMPLE_SEQUENCE,
+        "source_sequence": SAMPLE_SEQUENCE + 1,
+        "past_sequence": SAMPLE_SEQUENCE + 2,
+    }
     sizes = {k: min(v, config.max_positions) if k != "batch" else v for k, v in sizes.items()}
     if sizes["past_sequence"] + sizes["sequence"] > config.max_positions:
         sizes["past_sequence"] = max(config.max_positions - sizes["sequence"], 0)
@@ -190,8 +201,13 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
     # torch.onnx narrates its steps on stdout and logs optional-dependency notices; users see our summary instead.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
-                _no_fake_tensor_cache(), _no_cyclic_gc():
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(captured),
+            contextlib.redirect_stderr(captured),
+            _no_fake_tensor_cache(),
+            _no_cyclic_gc(),
+        ):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 wrapper,
@@ -246,7 +262,7 @@ def _check_and_infer(proto: onnx.ModelProto) -> None:
     inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=True, strict_mode=True).graph
     del proto.graph.value_info[:]
     proto.graph.value_info.extend(inferred.value_info)
-    for output, typed in zip(proto.graph.output, inferred.output):
+    for output, typed in zip(proto.graph.output, inferred.output, strict=False):
         output.type.CopyFrom(typed.type)
 
 

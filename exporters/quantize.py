@@ -57,7 +57,9 @@ def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     except ImportError as exc:
-        raise ConfigError(f"onnxruntime's quantization tooling is not importable ({exc}); install onnxruntime") from None
+        raise ConfigError(
+            f"onnxruntime's quantization tooling is not importable ({exc}); install onnxruntime"
+        ) from None
     # The quantizer logs every node it visits at INFO; the command prints its own summary.
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     if algorithm == "hqq":
@@ -66,8 +68,9 @@ def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0
         config = HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits)
         quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, algo_config=config)
     else:
-        quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, is_symmetric=False,
-                                         accuracy_level=accuracy_level or None)
+        quantizer = MatMulNBitsQuantizer(
+            proto, bits=bits, block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level or None
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # HQQ wraps read-only numpy weights in torch tensors; it only reads them
         quantizer.process()
@@ -125,12 +128,22 @@ def torch_weights(proto, weight_map: dict) -> dict[str, np.ndarray]:
     from onnx import numpy_helper
 
     initializers = {init.name: init for init in proto.graph.initializer}
-    return {name: _reconstruct(numpy_helper.to_array(initializers[entry["initializer"]]), entry)
-            for name, entry in weight_map.items()}
+    return {
+        name: _reconstruct(numpy_helper.to_array(initializers[entry["initializer"]]), entry)
+        for name, entry in weight_map.items()
+    }
 
 
-def quantized_weight_map(source_map: dict, folded: dict[str, str], prepared, quantized, weights: dict[str, np.ndarray],
-                bits: int, prefer_quantized: tuple[str, ...] = (), algorithm: str = "rtn") -> dict[str, dict]:
+def quantized_weight_map(
+    source_map: dict,
+    folded: dict[str, str],
+    prepared,
+    quantized,
+    weights: dict[str, np.ndarray],
+    bits: int,
+    prefer_quantized: tuple[str, ...] = (),
+    algorithm: str = "rtn",
+) -> dict[str, dict]:
     """Where each torch weight lives after quantization, following the initializers it was stored in.
 
     A source initializer may have been replaced by its folded transpose (prepare_proto), then by the
@@ -160,18 +173,32 @@ def quantized_weight_map(source_map: dict, folded: dict[str, str], prepared, qua
         if location in initializers:
             options.append({"initializer": location, "transpose": transpose, **extra})
         if f"{location}_Q{bits}" in specs:
-            options.append({"initializer": f"{location}_Q{bits}", "transpose": transpose, **extra,
-                            "quantized": specs[f"{location}_Q{bits}"]})
+            options.append(
+                {
+                    "initializer": f"{location}_Q{bits}",
+                    "transpose": transpose,
+                    **extra,
+                    "quantized": specs[f"{location}_Q{bits}"],
+                }
+            )
         if name in prefer_quantized and weights[name].ndim == 2 and not extra:
             head = np.ascontiguousarray(weights[name].T)
             copy_name = transposed_copies.get(array_digest(head))
             if copy_name is not None:
-                options.insert(0, {"initializer": f"{copy_name}_Q{bits}", "transpose": True,
-                                   "quantized": specs[f"{copy_name}_Q{bits}"]})
+                options.insert(
+                    0,
+                    {
+                        "initializer": f"{copy_name}_Q{bits}",
+                        "transpose": True,
+                        "quantized": specs[f"{copy_name}_Q{bits}"],
+                    },
+                )
             options.sort(key=lambda option: "quantized" not in option)
         if not options:
-            raise ModelFileError(f"weight {name!r}: its initializer {entry['initializer']!r} is neither kept nor "
-                                 "quantized; the eager reference could not be rebuilt")
+            raise ModelFileError(
+                f"weight {name!r}: its initializer {entry['initializer']!r} is neither kept nor "
+                "quantized; the eager reference could not be rebuilt"
+            )
         chosen = options[0]
         if "quantized" in chosen:
             spec = chosen["quantized"]
@@ -179,18 +206,28 @@ def quantized_weight_map(source_map: dict, folded: dict[str, str], prepared, qua
             step = _reconstruct(_step(spec, initializers), chosen)
             # Round-to-nearest is off by at most half a step (0.51 absorbs float32 rounding of the scale); HQQ
             # moves scale and zero point to lower the overall error, so only the block's range bounds it.
-            bound = 0.51 if algorithm == "rtn" else 2.0 ** bits
-            if rebuilt.shape != weights[name].shape or not np.all(np.abs(rebuilt - weights[name]) <= bound * step + 1e-7):
-                raise ModelFileError(f"weight {name!r}: its {bits}-bit MatMulNBits weight {spec['weight']!r} does "
-                                     f"not dequantize to within {bound} steps of the float weight")
+            bound = 0.51 if algorithm == "rtn" else 2.0**bits
+            if rebuilt.shape != weights[name].shape or not np.all(
+                np.abs(rebuilt - weights[name]) <= bound * step + 1e-7
+            ):
+                raise ModelFileError(
+                    f"weight {name!r}: its {bits}-bit MatMulNBits weight {spec['weight']!r} does "
+                    f"not dequantize to within {bound} steps of the float weight"
+                )
         mapping[name] = chosen
     return mapping
 
 
 def quantized_spec(node) -> dict:
     attrs = {a.name: a.i for a in node.attribute}
-    spec = {"weight": node.input[1], "scales": node.input[2], "bits": attrs["bits"], "block_size": attrs["block_size"],
-            "K": attrs["K"], "N": attrs["N"]}
+    spec = {
+        "weight": node.input[1],
+        "scales": node.input[2],
+        "bits": attrs["bits"],
+        "block_size": attrs["block_size"],
+        "K": attrs["K"],
+        "N": attrs["N"],
+    }
     if len(node.input) > 3 and node.input[3]:
         spec["zero_points"] = node.input[3]
     return spec
@@ -241,7 +278,12 @@ def _step(spec: dict, initializers: dict) -> np.ndarray:
 def quantizer_version(algorithm: str) -> dict:
     import onnxruntime
 
-    described = {"rtn": "DEFAULT (round-to-nearest, asymmetric, uint8 zero points, block-wise along K)",
-                 "hqq": "HQQ (half-quadratic, float zero points, block-wise along K)"}
-    return {"tool": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
-            "algorithm": described[algorithm], "onnxruntime": onnxruntime.__version__}
+    described = {
+        "rtn": "DEFAULT (round-to-nearest, asymmetric, uint8 zero points, block-wise along K)",
+        "hqq": "HQQ (half-quadratic, float zero points, block-wise along K)",
+    }
+    return {
+        "tool": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
+        "algorithm": described[algorithm],
+        "onnxruntime": onnxruntime.__version__,
+    }

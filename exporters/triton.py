@@ -15,7 +15,13 @@ from pathlib import Path
 from artifact import Artifact, swap_in
 from artifact.errors import ExportError, ModelFileError
 
-TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64", "bool": "TYPE_BOOL"}
+TRITON_DTYPES = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "bfloat16": "TYPE_BF16",
+    "int64": "TYPE_INT64",
+    "bool": "TYPE_BOOL",
+}
 KINDS = {"cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 
@@ -34,8 +40,15 @@ def _tensor(kind: str, spec: dict) -> str:
     return f'  {{\n    name: "{spec.name}"\n    data_type: {dtype}\n    dims: [ {dims} ]\n  }}'
 
 
-def config_pbtxt(artifact: Artifact, name: str, *, device: str = "cpu", instances: int = 1,
-                 max_batch_size: int = 8, max_queue_delay_us: int = 100) -> str:
+def config_pbtxt(
+    artifact: Artifact,
+    name: str,
+    *,
+    device: str = "cpu",
+    instances: int = 1,
+    max_batch_size: int = 8,
+    max_queue_delay_us: int = 100,
+) -> str:
     graph = artifact.graph()
     if device not in KINDS:
         raise ExportError(f"triton device {device!r}: choose one of {', '.join(KINDS)}")
@@ -55,8 +68,9 @@ def config_pbtxt(artifact: Artifact, name: str, *, device: str = "cpu", instance
 def write_triton_repo(artifact: Artifact, repo: str | Path, name: str, **options) -> Path:
     """Write REPO/NAME (config.pbtxt + 1/model.onnx); an existing NAME is replaced only if it is a model dir."""
     if len(artifact.graphs) != 1:
-        raise ExportError("a Triton repository takes single-graph artifacts; export the encoder-decoder's graphs "
-                          "as separate models")
+        raise ExportError(
+            "a Triton repository takes single-graph artifacts; export the encoder-decoder's graphs as separate models"
+        )
     repo = Path(repo)
     target = repo / name
     if target.exists() and not (target / "config.pbtxt").is_file():

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from artifact.errors import InputError
 from models import validation as v
 from models.layers import FFNS, NORMS, Attention, Block, make_ffn, make_norm, sinusoidal_table, stage_names
 from models.llama import check_token_ids
-from artifact.errors import InputError
 
 SWITCHES = ("norm", "ffn", "positions", "norm_placement", "biases")
 

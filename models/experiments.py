@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from models.llama import LlamaConfig, LlamaBlock
+from models.llama import LlamaBlock, LlamaConfig
 from models.registry import initialize
 
 
 @torch.no_grad()
-def depth_experiment(layers: int = 12, width: int = 64, heads: int = 4, ff_width: int = 128,
-                     batch: int = 4, sequence: int = 16, seed: int = 0) -> dict:
+def depth_experiment(
+    layers: int = 12,
+    width: int = 64,
+    heads: int = 4,
+    ff_width: int = 128,
+    batch: int = 4,
+    sequence: int = 16,
+    seed: int = 0,
+) -> dict:
     """RMS of the activations after each block for the same random stack in both placements.
 
     Pre-norm adds every branch to an unnormalised residual stream, so its RMS grows
@@ -19,8 +26,9 @@ def depth_experiment(layers: int = 12, width: int = 64, heads: int = 4, ff_width
     """
     result = {"layers": layers, "width": width, "batch": batch, "sequence": sequence, "seed": seed}
     for placement in ("pre", "post"):
-        config = LlamaConfig(width=width, heads=heads, ff_width=ff_width, max_positions=sequence,
-                               norm_placement=placement, layers=layers)
+        config = LlamaConfig(
+            width=width, heads=heads, ff_width=ff_width, max_positions=sequence, norm_placement=placement, layers=layers
+        )
         with torch.random.fork_rng(devices=[]):
             generator = torch.Generator().manual_seed(seed)
             blocks = torch.nn.ModuleList([LlamaBlock(config) for _ in range(layers)]).double()
@@ -35,10 +43,12 @@ def depth_experiment(layers: int = 12, width: int = 64, heads: int = 4, ff_width
 
 
 def render_table(result: dict) -> str:
-    lines = [f"activation RMS after each block ({result['layers']} blocks, d={result['width']}, "
-             f"random input {result['batch']}x{result['sequence']}, seed {result['seed']})",
-             f"{'block':>5}  {'pre-norm':>10}  {'post-norm':>10}"]
-    for i, (pre, post) in enumerate(zip(result["pre"], result["post"])):
+    lines = [
+        f"activation RMS after each block ({result['layers']} blocks, d={result['width']}, "
+        f"random input {result['batch']}x{result['sequence']}, seed {result['seed']})",
+        f"{'block':>5}  {'pre-norm':>10}  {'post-norm':>10}",
+    ]
+    for i, (pre, post) in enumerate(zip(result["pre"], result["post"], strict=False)):
         lines.append(f"{i:>5}  {pre:>10.4f}  {post:>10.4f}")
     growth_pre = result["pre"][-1] / result["pre"][0]
     growth_post = result["post"][-1] / result["post"][0]

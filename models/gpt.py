@@ -1,8 +1,8 @@
 """GPT-style decoder: learned absolute positions, LayerNorm, GELU MLP with biases, untied head.
 
-    x = tok[ids] + pos[0..T)
-    h = x + attn(ln_a(x));  y = h + W2 gelu(W1 ln_f(h) + b1) + b2     (per block)
-    logits = ln_final(y) @ head
+x = tok[ids] + pos[0..T)
+h = x + attn(ln_a(x));  y = h + W2 gelu(W1 ln_f(h) + b1) + b2     (per block)
+logits = ln_final(y) @ head
 """
 
 from __future__ import annotations

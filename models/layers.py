@@ -41,8 +41,9 @@ class Attention(nn.Module):
     With `memory` given it is cross-attention: queries from x, keys/values from memory.
     """
 
-    def __init__(self, width, heads, kv_heads=None, *, bias=False, causal=True, rope_base=None,
-                 rope_pairing="interleaved"):
+    def __init__(
+        self, width, heads, kv_heads=None, *, bias=False, causal=True, rope_base=None, rope_pairing="interleaved"
+    ):
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_width = width // heads
@@ -68,8 +69,12 @@ class Attention(nn.Module):
         source = x if memory is None else memory
         S = source.shape[1]
         q = self.q_proj(x).view(B, T, self.heads, self.head_width).transpose(1, 2)  # (B, heads, T, head_width)
-        k = self.k_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
-        v = self.v_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
+        k = (
+            self.k_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)
+        )  # (B, kv_heads, S, head_width)
+        v = (
+            self.v_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)
+        )  # (B, kv_heads, S, head_width)
         if past is not None:
             position_offset = position_offset + past[0].shape[2]
         if self.rope:
@@ -161,12 +166,14 @@ class Block(nn.Module):
 
     placement: str = "pre"
 
-    def forward(self, x, memory=None, position_offset: int = 0, past=None, past_mask=None,
-                position_ids=None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, x, memory=None, position_offset: int = 0, past=None, past_mask=None, position_ids=None
+    ) -> dict[str, torch.Tensor]:
         """Stages by name; with `past` (the self-attention cache) also "present.key"/"present.value"."""
         stages: dict[str, torch.Tensor] = {}
-        x = self._attend("attention", x,
-                         lambda h: self.attention(h, None, position_offset, past, past_mask, position_ids), stages)
+        x = self._attend(
+            "attention", x, lambda h: self.attention(h, None, position_offset, past, past_mask, position_ids), stages
+        )
         if memory is not None:
             x = self._attend("cross_attention", x, lambda h: self.cross_attention(h, memory), stages)
         if self.placement == "pre":
@@ -197,8 +204,18 @@ class Block(nn.Module):
         return h
 
 
-def run_stack(blocks, x, stages: dict, prefix: str, *, memory=None, position_offset: int = 0, past=None,
-              past_mask=None, position_ids=None):
+def run_stack(
+    blocks,
+    x,
+    stages: dict,
+    prefix: str,
+    *,
+    memory=None,
+    position_offset: int = 0,
+    past=None,
+    past_mask=None,
+    position_ids=None,
+):
     """Run blocks in order, naming their stages `{prefix}.{i}.{stage}`; returns the last output.
 
     With `past` (one (keys, values) pair per block) the caches come back as

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from artifact.errors import InputError
 from models import validation as v
 from models.layers import Attention, Block, RMSNorm, SwiGLU, past_length, run_stack, stage_names
-from artifact.errors import InputError
 
 BLOCK_STAGES = stage_names("pre", cross=False)
 # Post-norm computes the branches before the norms; stage order follows computation.
@@ -90,13 +90,20 @@ class LlamaBlock(Block):
         self.placement = config.norm_placement
         # Definition order fixes parameter order: norm_a, q, k, v, o, norm_f, gate, up, down.
         self.attention_norm = RMSNorm(config.width, config.eps)
-        self.attention = Attention(config.width, config.heads, config.kv_heads, causal=True,
-                                   rope_base=config.rope_base, rope_pairing=config.rope_pairing)
+        self.attention = Attention(
+            config.width,
+            config.heads,
+            config.kv_heads,
+            causal=True,
+            rope_base=config.rope_base,
+            rope_pairing=config.rope_pairing,
+        )
         self.feed_forward_norm = RMSNorm(config.width, config.eps)
         self.feed_forward = SwiGLU(config.width, config.ff_width)
 
-    def forward(self, x: torch.Tensor, position_offset: int = 0, past=None, past_mask=None,
-                position_ids=None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, position_offset: int = 0, past=None, past_mask=None, position_ids=None
+    ) -> dict[str, torch.Tensor]:
         return super().forward(x, None, position_offset, past, past_mask, position_ids)
 
 
@@ -135,8 +142,9 @@ class LlamaDecoder(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, position_offset: int = 0, past=None, past_mask=None,
-                position_ids=None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, position_offset: int = 0, past=None, past_mask=None, position_ids=None
+    ) -> dict[str, torch.Tensor]:
         """Stages by name. `past`: one (keys, values) cache pair per block (T_past may be 0); then the
         updated caches come back as `present.{i}.key/value` and positions continue after T_past.
         Batched serving passes past_mask (B, T_past; 0 = padding slot) and position_ids (B, T)."""
@@ -145,8 +153,16 @@ class LlamaDecoder(nn.Module):
             check_token_ids(input_ids, self.config, position_offset + past_length(past))
         x = self.embed_tokens(input_ids)  # (B, T, width)
         stages = {"embed_tokens": x}
-        x = run_stack(self.block, x, stages, "block", position_offset=position_offset, past=past,
-                      past_mask=past_mask, position_ids=position_ids)
+        x = run_stack(
+            self.block,
+            x,
+            stages,
+            "block",
+            position_offset=position_offset,
+            past=past,
+            past_mask=past_mask,
+            position_ids=position_ids,
+        )
         stages["final_norm"] = self.final_norm(x)
         stages["logits"] = self.lm_head(stages["final_norm"])  # (B, T, vocab)
         return stages

@@ -66,8 +66,9 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(head_width) [+ causal mask]) v, returning (output, probabilities).
 
     q: (B, heads, T_q, head_width); k, v: (B, kv_heads, T_k, head_width), kv_heads dividing heads

@@ -10,12 +10,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from artifact.errors import ConfigError
 from models.encoder_decoder import EncoderDecoderConfig
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig, ProbedBlockConfig
 from models.registry import build_model, get_family
 from models.worked_example import build_worked_example, worked_example_config, worked_example_inputs
-from artifact.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,13 @@ PRESETS: dict[str, Preset] = {
             "llama",
             "stacked decoder with grouped-query attention (4 heads, 2 KV heads), untied head",
             LlamaConfig(
-                vocab_size=96, layers=2, width=16, heads=4, kv_heads=2, ff_width=40, max_positions=32,
+                vocab_size=96,
+                layers=2,
+                width=16,
+                heads=4,
+                kv_heads=2,
+                ff_width=40,
+                max_positions=32,
                 tie_embeddings=False,
             ),
         ),
@@ -76,8 +82,9 @@ PRESETS: dict[str, Preset] = {
             "decoder-small-post",
             "llama",
             "stacked decoder with post-norm blocks (the 2017 order)",
-            LlamaConfig(vocab_size=96, layers=2, width=16, heads=4, ff_width=40, max_positions=32,
-                          norm_placement="post"),
+            LlamaConfig(
+                vocab_size=96, layers=2, width=16, heads=4, ff_width=40, max_positions=32, norm_placement="post"
+            ),
         ),
         Preset(
             "gpt-tiny",
@@ -89,17 +96,37 @@ PRESETS: dict[str, Preset] = {
             "vaswani-2017",
             "encoder-decoder",
             "encoder-decoder, 2017 recipe: post-norm, LayerNorm, ReLU, sinusoidal positions, biases",
-            EncoderDecoderConfig(vocab_size=64, width=16, heads=4, ff_width=64, encoder_layers=2, decoder_layers=2,
-                                 norm="layernorm", ffn="relu", positions="sinusoidal", norm_placement="post",
-                                 biases=True),
+            EncoderDecoderConfig(
+                vocab_size=64,
+                width=16,
+                heads=4,
+                ff_width=64,
+                encoder_layers=2,
+                decoder_layers=2,
+                norm="layernorm",
+                ffn="relu",
+                positions="sinusoidal",
+                norm_placement="post",
+                biases=True,
+            ),
         ),
         Preset(
             "modern-2026",
             "encoder-decoder",
             "encoder-decoder, 2026 recipe: pre-norm, RMSNorm, SwiGLU, RoPE, no biases",
-            EncoderDecoderConfig(vocab_size=64, width=16, heads=4, ff_width=64, encoder_layers=2, decoder_layers=2,
-                                 norm="rmsnorm", ffn="swiglu", positions="rope", norm_placement="pre",
-                                 biases=False),
+            EncoderDecoderConfig(
+                vocab_size=64,
+                width=16,
+                heads=4,
+                ff_width=64,
+                encoder_layers=2,
+                decoder_layers=2,
+                norm="rmsnorm",
+                ffn="swiglu",
+                positions="rope",
+                norm_placement="pre",
+                biases=False,
+            ),
         ),
     )
 }
@@ -130,7 +157,7 @@ def load_config_file(path: str | Path) -> Preset:
     if unknown:
         raise ConfigError(f"{path}: unknown top-level key(s) {sorted(unknown)}; expected 'family', 'config', 'seed'")
     if "family" not in data or "config" not in data:
-        raise ConfigError(f"{path}: missing 'family' or 'config'; e.g. {{\"family\": \"llama\", \"config\": {{...}}}}")
+        raise ConfigError(f'{path}: missing \'family\' or \'config\'; e.g. {{"family": "llama", "config": {{...}}}}')
     seed = data.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"{path}: 'seed' expected a non-negative integer, got {seed!r}")

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from artifact.errors import ConfigError
+from artifact.format import TensorSpec, is_cache_input, past_name, present_name
 from models.encoder_decoder import EncoderDecoder, EncoderDecoderConfig, decoder_stage_names, encoder_stage_names
 from models.gpt import GPT, GPTConfig
 from models.gpt import parameter_formula as gpt_parameter_formula
 from models.layers import swiglu_width
-from models.llama import LlamaDecoder, LlamaConfig, ProbedBlock, ProbedBlockConfig
-from artifact.errors import ConfigError
-from artifact.format import TensorSpec, is_cache_input, past_name, present_name
+from models.llama import LlamaConfig, LlamaDecoder, ProbedBlock, ProbedBlockConfig
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _single(inputs, stages, run=lambda model, *args: model(*args)):
 
 
 def _cache_pairs(flat):
-    return list(zip(flat[0::2], flat[1::2]))
+    return list(zip(flat[0::2], flat[1::2], strict=False))
 
 
 def _language_model(config, stages) -> tuple[GraphSpec, ...]:
@@ -95,14 +95,27 @@ def _language_model(config, stages) -> tuple[GraphSpec, ...]:
         for kind in ("key", "value"):
             past.append(TensorSpec(past_name(i, kind), "float32", cache_shape))
             present.append(present_name(past[-1].name))
-    serving_inputs = (_ids(), TensorSpec("position_ids", "int64", ("batch", "sequence")),
-                      TensorSpec("past_mask", "int64", ("batch", "past_sequence")), *past)
+    serving_inputs = (
+        _ids(),
+        TensorSpec("position_ids", "int64", ("batch", "sequence")),
+        TensorSpec("past_mask", "int64", ("batch", "past_sequence")),
+        *past,
+    )
 
     def serving_run(model, ids, position_ids, past_mask, *flat):
         return model(ids, past=_cache_pairs(flat), past_mask=past_mask, position_ids=position_ids)
 
-    return (GraphSpec("model", (_ids(),), tuple(stages), tuple(present), lambda model, ids: model(ids),
-                      serving_inputs=serving_inputs, serving_run=serving_run),)
+    return (
+        GraphSpec(
+            "model",
+            (_ids(),),
+            tuple(stages),
+            tuple(present),
+            lambda model, ids: model(ids),
+            serving_inputs=serving_inputs,
+            serving_run=serving_run,
+        ),
+    )
 
 
 def has_cache(input_specs) -> bool:
@@ -146,10 +159,20 @@ def _encoder_decoder_inputs(config, batch: int, seq: int, rng: np.random.Generat
 def _encoder_decoder_graphs(c: EncoderDecoderConfig):
     memory = TensorSpec("encoder_output", "float32", ("batch", "source_sequence", c.width))
     return (
-        GraphSpec("encoder", (_ids("source_ids", "source_sequence"),), encoder_stage_names(c), ("encoder_output",),
-                  lambda model, source_ids: model.encode(source_ids)),
-        GraphSpec("decoder", (_ids(), memory), decoder_stage_names(c), ("logits",),
-                  lambda model, input_ids, encoder_output: model.decode(input_ids, encoder_output)),
+        GraphSpec(
+            "encoder",
+            (_ids("source_ids", "source_sequence"),),
+            encoder_stage_names(c),
+            ("encoder_output",),
+            lambda model, source_ids: model.encode(source_ids),
+        ),
+        GraphSpec(
+            "decoder",
+            (_ids(), memory),
+            decoder_stage_names(c),
+            ("logits",),
+            lambda model, input_ids, encoder_output: model.decode(input_ids, encoder_output),
+        ),
     )
 
 
@@ -174,14 +197,19 @@ def encoder_decoder_formula(c: EncoderDecoderConfig) -> tuple[int, int, int]:
     encoder_block = 2 * norm + attention + ffn
     decoder_block = 3 * norm + 2 * attention + ffn
     embeddings_and_head = 3 * c.vocab_size * d  # source and target embeddings, untied head
-    total = (embeddings_and_head + c.encoder_layers * encoder_block + c.decoder_layers * decoder_block + 2 * norm)
+    total = embeddings_and_head + c.encoder_layers * encoder_block + c.decoder_layers * decoder_block + 2 * norm
     return encoder_block, decoder_block, total
 
 
 def _llama_switches(c) -> dict:
-    return {"norm": "rmsnorm", "ffn": "swiglu", "positions": f"rope ({c.rope_pairing})",
-            "norm_placement": c.norm_placement, "biases": False,
-            "attention": "mha" if c.kv_heads == c.heads else f"gqa ({c.kv_heads} kv heads)"}
+    return {
+        "norm": "rmsnorm",
+        "ffn": "swiglu",
+        "positions": f"rope ({c.rope_pairing})",
+        "norm_placement": c.norm_placement,
+        "biases": False,
+        "attention": "mha" if c.kv_heads == c.heads else f"gqa ({c.kv_heads} kv heads)",
+    }
 
 
 FAMILIES: dict[str, Family] = {
@@ -190,8 +218,9 @@ FAMILIES: dict[str, Family] = {
         description="one LLaMA-style decoder block with a fixed linear probe read-out",
         config_cls=ProbedBlockConfig,
         module_cls=ProbedBlock,
-        graphs=lambda c: _single((TensorSpec("hidden_states", "float32", ("batch", "sequence", c.width)),),
-                                 [*_block_stages(c), "logits"]),
+        graphs=lambda c: _single(
+            (TensorSpec("hidden_states", "float32", ("batch", "sequence", c.width)),), [*_block_stages(c), "logits"]
+        ),
         random_inputs=lambda c, b, t, rng: {"hidden_states": rng.standard_normal((b, t, c.width))},
         parameter_formula=llama_block_formula,
         switches=_llama_switches,
@@ -214,8 +243,14 @@ FAMILIES: dict[str, Family] = {
         graphs=lambda c: _language_model(c, ["embed_tokens", *_block_stages(c), "final_norm", "logits"]),
         random_inputs=_token_inputs,
         parameter_formula=gpt_parameter_formula,
-        switches=lambda c: {"norm": "layernorm", "ffn": "gelu", "positions": "learned", "norm_placement": "pre",
-                            "biases": "feed-forward only", "attention": "mha"},
+        switches=lambda c: {
+            "norm": "layernorm",
+            "ffn": "gelu",
+            "positions": "learned",
+            "norm_placement": "pre",
+            "biases": "feed-forward only",
+            "attention": "mha",
+        },
     ),
     "encoder-decoder": Family(
         name="encoder-decoder",
@@ -261,9 +296,18 @@ class _NoRandomFills(torch.overrides.TorchFunctionMode):
     model. Buffers computed in __init__ (RoPE frequencies) do not use torch.nn.init and are kept.
     """
 
-    SKIPPED = frozenset((torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.trunc_normal_,
-                         torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_,
-                         torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_, torch.nn.init.orthogonal_))
+    SKIPPED = frozenset(
+        (
+            torch.nn.init.uniform_,
+            torch.nn.init.normal_,
+            torch.nn.init.trunc_normal_,
+            torch.nn.init.kaiming_uniform_,
+            torch.nn.init.kaiming_normal_,
+            torch.nn.init.xavier_uniform_,
+            torch.nn.init.xavier_normal_,
+            torch.nn.init.orthogonal_,
+        )
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -19,8 +19,7 @@ GGUF_PRE_TOKENIZERS = ("gpt2", "smollm", "default")
 
 
 class TextTokenizer:
-    def __init__(self, backend, *, bos_id: int | None, eos_id: int | None, add_bos: bool,
-                 chat_template: str | None):
+    def __init__(self, backend, *, bos_id: int | None, eos_id: int | None, add_bos: bool, chat_template: str | None):
         self.backend = backend
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.chat_template = chat_template
@@ -52,18 +51,27 @@ class TextTokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.token(self.bos_id) if self.bos_id is not None else "",
-                                   eos_token=self.token(self.eos_id) if self.eos_id is not None else "")
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.token(self.bos_id) if self.bos_id is not None else "",
+                eos_token=self.token(self.eos_id) if self.eos_id is not None else "",
+            )
         except TemplateError as exc:
             raise ModelFileError(f"the checkpoint's chat template failed to render: {exc}") from None
 
     def files(self) -> dict[str, bytes]:
         """The artifact's copy: tokenizer.json and our tokenizer_config.json."""
-        config = {"bos_id": self.bos_id, "eos_id": self.eos_id, "add_bos": self.add_bos,
-                  "chat_template": self.chat_template}
-        return {TOKENIZER_FILE: self.backend.to_str().encode(),
-                CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode()}
+        config = {
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "add_bos": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+        return {
+            TOKENIZER_FILE: self.backend.to_str().encode(),
+            CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode(),
+        }
 
     @classmethod
     def from_artifact(cls, directory: Path) -> TextTokenizer:
@@ -74,8 +82,13 @@ class TextTokenizer:
             config = json.loads((directory / CONFIG_FILE).read_text())
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises plain Exception
             raise ModelFileError(f"{directory}: cannot read the tokenizer ({exc}); re-export with --from") from None
-        return cls(backend, bos_id=config.get("bos_id"), eos_id=config.get("eos_id"),
-                   add_bos=bool(config.get("add_bos")), chat_template=config.get("chat_template"))
+        return cls(
+            backend,
+            bos_id=config.get("bos_id"),
+            eos_id=config.get("eos_id"),
+            add_bos=bool(config.get("add_bos")),
+            chat_template=config.get("chat_template"),
+        )
 
     @classmethod
     def from_hf_dir(cls, directory: Path) -> TextTokenizer | None:
@@ -105,8 +118,13 @@ class TextTokenizer:
         add_bos = config.get("add_bos_token")
         if add_bos is None:  # no explicit flag: follow tokenizer.json's post-processor (Llama 3 prepends BOS there)
             add_bos = bos_id is not None and backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
-        return cls(backend, bos_id=bos_id, eos_id=special("eos_token"), add_bos=bool(add_bos),
-                   chat_template=config.get("chat_template"))
+        return cls(
+            backend,
+            bos_id=bos_id,
+            eos_id=special("eos_token"),
+            add_bos=bool(add_bos),
+            chat_template=config.get("chat_template"),
+        )
 
     @classmethod
     def from_gguf(cls, fields: dict) -> TextTokenizer:
@@ -118,7 +136,9 @@ class TextTokenizer:
             raise ModelFileError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)")
         pre = fields.get("tokenizer.ggml.pre", "default")
         if pre not in GGUF_PRE_TOKENIZERS:
-            raise ModelFileError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
+            raise ModelFileError(
+                f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(GGUF_PRE_TOKENIZERS)}"
+            )
         tokens = fields["tokenizer.ggml.tokens"]
         merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
         backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
@@ -131,10 +151,13 @@ class TextTokenizer:
         types = fields.get("tokenizer.ggml.token_type", [])
         control = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
         backend.add_special_tokens(control)
-        return cls(backend, bos_id=fields.get("tokenizer.ggml.bos_token_id"),
-                   eos_id=fields.get("tokenizer.ggml.eos_token_id"),
-                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=fields.get("tokenizer.chat_template"))
+        return cls(
+            backend,
+            bos_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_id=fields.get("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
+        )
 
 
 def load_tokenizer(artifact, shown: str | Path) -> TextTokenizer:

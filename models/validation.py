@@ -42,9 +42,7 @@ def from_dict(cls, data: Any, owner: str):
     settable = {f.name for f in dataclasses.fields(cls) if f.init}
     for key in data:
         if key not in settable:
-            raise ConfigError(
-                f"{owner}: unknown field {key!r}; valid fields are " + ", ".join(sorted(settable))
-            )
+            raise ConfigError(f"{owner}: unknown field {key!r}; valid fields are " + ", ".join(sorted(settable)))
     return cls(**data)
 
 

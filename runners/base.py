@@ -86,8 +86,10 @@ def check_feed(specs, inputs: dict, config=None, trusted=()) -> dict[str, np.nda
         try:
             want_dtype = np.dtype(spec.dtype)
         except TypeError:
-            raise ModelFileError(f"input {name!r}: the model declares dtype {spec.dtype!r}, which numpy does not "
-                                 "know; re-export the model") from None
+            raise ModelFileError(
+                f"input {name!r}: the model declares dtype {spec.dtype!r}, which numpy does not "
+                "know; re-export the model"
+            ) from None
         if array.dtype != want_dtype:
             raise InputError(f"input {name!r}: expected dtype {spec.dtype}, got {array.dtype}; cast it first")
         shape = spec.shape
@@ -95,19 +97,25 @@ def check_feed(specs, inputs: dict, config=None, trusted=()) -> dict[str, np.nda
             raise InputError(
                 f"input {name!r}: expected rank {len(shape)} {_fmt(shape)}, got rank {array.ndim} {tuple(array.shape)}"
             )
-        for axis, (want, got) in enumerate(zip(shape, array.shape)):
+        for axis, (want, got) in enumerate(zip(shape, array.shape, strict=False)):
             if got < 1 and want != "past_sequence":  # only the cache may be empty (a prefill)
                 raise InputError(f"input {name!r}: axis {axis} ({want}) is empty; every axis needs at least 1 element")
             if isinstance(want, int) and want > 0 and got != want:
-                raise InputError(f"input {name!r}: axis {axis} expected size {want}, got {got} (shape {tuple(array.shape)})")
+                raise InputError(
+                    f"input {name!r}: axis {axis} expected size {want}, got {got} (shape {tuple(array.shape)})"
+                )
             if isinstance(want, str):
                 seen = symbols.setdefault(want, (got, name))
                 if seen[0] != got:
                     raise InputError(
                         f"input {name!r}: axis {axis} ({want}) is {got} but input {seen[1]!r} has {want}={seen[0]}"
                     )
-        if (name not in trusted and np.issubdtype(array.dtype, np.floating) and array.size
-                and not np.isfinite(array).all()):
+        if (
+            name not in trusted
+            and np.issubdtype(array.dtype, np.floating)
+            and array.size
+            and not np.isfinite(array).all()
+        ):
             bad = np.argwhere(~np.isfinite(array))
             raise InputError(
                 f"input {name!r}: {len(bad)} non-finite value(s) (NaN/Inf), first at index {tuple(int(i) for i in bad[0])}"

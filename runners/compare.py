@@ -33,7 +33,12 @@ class Tolerance:
     def __post_init__(self):
         for name in ("atol", "rtol", "multiple"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0) or value == float("inf"):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (value >= 0)
+                or value == float("inf")
+            ):
                 raise ConfigError(f"tolerance {name}: expected a finite number >= 0, got {value!r}")
 
 
@@ -75,7 +80,6 @@ class ToleranceConfig:
         if dtype not in self.per_dtype:
             raise ConfigError(f"no tolerance for dtype {dtype!r}; known dtypes: {', '.join(self.per_dtype)}")
         return self.per_dtype[dtype]
-
 
     def check_patterns(self, stages: list[str]) -> None:
         """Refuse a stage glob that matches none of `stages` (a typo would otherwise silently do nothing)."""
@@ -131,8 +135,10 @@ def load_tolerances(path: str | Path) -> ToleranceConfig:
     config = ToleranceConfig(source=str(path))
     for dtype, table in data.items():
         if dtype not in TOLERANCE_DTYPES:
-            raise ConfigError(f"{path}: unknown key {dtype!r} at the top level; expected a dtype table, one of "
-                              f"{', '.join(TOLERANCE_DTYPES)}")
+            raise ConfigError(
+                f"{path}: unknown key {dtype!r} at the top level; expected a dtype table, one of "
+                f"{', '.join(TOLERANCE_DTYPES)}"
+            )
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {dtype}: expected a table, got {type(table).__name__} {table!r}")
         base = DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
@@ -154,7 +160,9 @@ def _tomllib(path: Path):
     try:
         import tomllib
     except ImportError:  # Python 3.10 has no TOML reader in the standard library
-        raise ConfigError(f"{path}: reading TOML needs Python >= 3.11 (tomllib); write the same tables as a .json file") from None
+        raise ConfigError(
+            f"{path}: reading TOML needs Python >= 3.11 (tomllib); write the same tables as a .json file"
+        ) from None
     return tomllib
 
 
@@ -162,8 +170,10 @@ def _tolerance(path: Path, key: str, table: dict, base: Tolerance) -> Tolerance:
     values = {}
     for name, value in table.items():
         if name not in TOLERANCE_KEYS:
-            raise ConfigError(f"{path}: {key}.{name}: unknown key; expected {', '.join(TOLERANCE_KEYS)}"
-                              + (" or a 'stages' table" if "." not in key else ""))
+            raise ConfigError(
+                f"{path}: {key}.{name}: unknown key; expected {', '.join(TOLERANCE_KEYS)}"
+                + (" or a 'stages' table" if "." not in key else "")
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: {key}.{name}: expected a number, got {type(value).__name__} {value!r}")
         if not math.isfinite(value) or value < 0:
@@ -275,7 +285,11 @@ def compare(
         max_abs = float(diff.max()) if diff.size else 0.0
         mean_abs = float(diff.mean()) if diff.size else 0.0
         # Relative error per element, guarded by the atol floor so exact zeros do not divide by zero.
-        max_rel = float((diff / np.maximum(np.abs(ref), tolerance.atol or np.finfo(np.float64).tiny)).max()) if diff.size else 0.0
+        max_rel = (
+            float((diff / np.maximum(np.abs(ref), tolerance.atol or np.finfo(np.float64).tiny)).max())
+            if diff.size
+            else 0.0
+        )
         passed = max_abs <= allowed
         reason = "" if passed else f"max_abs {max_abs:.3g} > allowed {allowed:.3g}"
         agreement = None

@@ -13,16 +13,19 @@ import numpy as np
 import torch
 from onnx import numpy_helper
 
-from models.registry import build_model, get_family
-from runners.base import Runner, check_feed
 from artifact import Artifact, GraphArtifact, load_onnx
 from artifact.errors import ModelFileError
 from exporters.quantize import dequantize_weight
 from models.artifacts import artifact_config
+from models.registry import build_model, get_family
+from runners.base import Runner, check_feed
 
-
-TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-                "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
@@ -42,8 +45,16 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 class EagerRunner(Runner):
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, graph: GraphArtifact, run, config, name="eager",
-                 device: str = "cpu"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: torch.dtype,
+        graph: GraphArtifact,
+        run,
+        config,
+        name="eager",
+        device: str = "cpu",
+    ):
         super().__init__(graph.input_specs, graph.output_names, config)
         self.name = name
         self.dtype = dtype
@@ -111,7 +122,9 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
         initializers = {init.name: init for init in proto.graph.initializer}
         for name, place in graph.weights.items():
             if name not in state:
-                raise ModelFileError(f"{graph.model_path}: the manifest maps unknown weight {name!r}; re-run `toolkit export`")
+                raise ModelFileError(
+                    f"{graph.model_path}: the manifest maps unknown weight {name!r}; re-run `toolkit export`"
+                )
             if place.initializer not in initializers:
                 raise ModelFileError(
                     f"{graph.model_path}: weight {name!r} points at missing initializer {place.initializer!r}"
@@ -140,8 +153,15 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
     return model
 
 
-def eager_runner(artifact: Artifact, dtype: torch.dtype, name: str, graph: str | None = None,
-                 protos: dict | None = None, model: torch.nn.Module | None = None, device: str = "cpu") -> EagerRunner:
+def eager_runner(
+    artifact: Artifact,
+    dtype: torch.dtype,
+    name: str,
+    graph: str | None = None,
+    protos: dict | None = None,
+    model: torch.nn.Module | None = None,
+    device: str = "cpu",
+) -> EagerRunner:
     graph_artifact = artifact.graph(graph)
     spec = {g.name: g for g in get_family(artifact.family).graphs(artifact_config(artifact))}[graph_artifact.name]
     model = model if model is not None else model_from_artifact(artifact, protos)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from artifact.errors import BackendUnavailableError, ModelFileError
 from artifact.format import SHARED_KV_CACHE, present_name
 from runners.base import Runner, check_feed
 from runners.decoding.cache import KVCache
-from artifact.errors import BackendUnavailableError, ModelFileError
 
 PROVIDERS = {
     "ort-cpu": "CPUExecutionProvider",
@@ -52,7 +52,9 @@ def _onnxruntime():
     try:
         import onnxruntime
     except ImportError as exc:
-        raise BackendUnavailableError(f"onnxruntime is not importable ({exc}); install the `onnxruntime` package") from None
+        raise BackendUnavailableError(
+            f"onnxruntime is not importable ({exc}); install the `onnxruntime` package"
+        ) from None
     return onnxruntime
 
 
@@ -79,8 +81,16 @@ class SessionLoader:
     placement audit still refuses any compute node on the CPU.)
     """
 
-    def __init__(self, model_path: Path, provider: str, intra_op_threads: int = 0, *, tf32: bool = False,
-                 device_id: int = 0, strict_placement: bool = False):
+    def __init__(
+        self,
+        model_path: Path,
+        provider: str,
+        intra_op_threads: int = 0,
+        *,
+        tf32: bool = False,
+        device_id: int = 0,
+        strict_placement: bool = False,
+    ):
         self.model_path = Path(model_path)
         self.provider = provider
         self.intra_op_threads = intra_op_threads
@@ -92,8 +102,12 @@ class SessionLoader:
     def providers(self) -> list:
         chain = [(self.provider, provider_options(self.provider, tf32=self.tf32, device_id=self.device_id))]
         if self.provider == "TensorrtExecutionProvider":
-            chain.append(("CUDAExecutionProvider",
-                          provider_options("CUDAExecutionProvider", tf32=self.tf32, device_id=self.device_id)))
+            chain.append(
+                (
+                    "CUDAExecutionProvider",
+                    provider_options("CUDAExecutionProvider", tf32=self.tf32, device_id=self.device_id),
+                )
+            )
         return chain
 
     def options(self, profile_prefix: str | None = None):
@@ -120,8 +134,9 @@ class SessionLoader:
                     + ("; install onnxruntime-gpu (pip install '.[cuda]')" if provider in GPU_PROVIDERS else "")
                 )
         try:
-            return ort.InferenceSession(str(self.model_path), sess_options=self.options(profile_prefix),
-                                        providers=self.providers)
+            return ort.InferenceSession(
+                str(self.model_path), sess_options=self.options(profile_prefix), providers=self.providers
+            )
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/NotImplemented types
             message = str(exc)
             if "Could not find an implementation for" in message:
@@ -139,8 +154,9 @@ class SessionLoader:
 
 
 class OrtRunner(Runner):
-    def __init__(self, loader: SessionLoader, input_specs, output_names, config=None, name="ort-cpu",
-                 kv_cache: str | None = None):
+    def __init__(
+        self, loader: SessionLoader, input_specs, output_names, config=None, name="ort-cpu", kv_cache: str | None = None
+    ):
         super().__init__(input_specs, output_names, config)
         self.name = name
         self.kv_cache = kv_cache  # the graph entry's "kv_cache": SHARED_KV_CACHE allows BoundKVCache's shared buffers
@@ -154,22 +170,28 @@ class OrtRunner(Runner):
         self.device_id = loader.device_id
         # Where IO binding puts inputs, outputs and the KV cache: the GPU for GPU providers.
         self.binding_device = "cuda" if provider in GPU_PROVIDERS else "cpu"
-        self.device = provider if provider not in GPU_PROVIDERS else \
-            f"{provider} (device {self.device_id}, tf32 {'on' if self.tf32 else 'off'})"
+        self.device = (
+            provider
+            if provider not in GPU_PROVIDERS
+            else f"{provider} (device {self.device_id}, tf32 {'on' if self.tf32 else 'off'})"
+        )
 
     @property
     def metadata(self) -> dict:
         """What a report records about this backend: provider, options and the TF32 mode."""
-        return {"provider": self.provider, "providers": [p for p, _ in self.loader.providers],
-                "provider_options": dict(self.loader.providers[0][1]),
-                "tf32": self.tf32 if self.binding_device == "cuda" else None,
-                "binding_device": self.binding_device}
+        return {
+            "provider": self.provider,
+            "providers": [p for p, _ in self.loader.providers],
+            "provider_options": dict(self.loader.providers[0][1]),
+            "tf32": self.tf32 if self.binding_device == "cuda" else None,
+            "binding_device": self.binding_device,
+        }
 
     def _infer(self, feed):
         bfloat16 = any(v.dtype.name == "bfloat16" for v in feed.values()) or self._bfloat16_outputs
         if self.binding_device == "cpu" and not bfloat16:
             values = self.session.run(self.output_names, feed)
-            return dict(zip(self.output_names, values))
+            return dict(zip(self.output_names, values, strict=False))
         # GPU (or bfloat16, which onnxruntime's numpy bridge lacks): inputs copied to the device once,
         # outputs left there by the kernels and copied back once.
         binding = self.session.io_binding()
@@ -179,7 +201,9 @@ class OrtRunner(Runner):
             on_host = self.binding_device == "cpu" or name in self._bfloat16_outputs
             binding.bind_output(name, "cpu" if on_host else self.binding_device, 0 if on_host else self.device_id)
         self.session.run_with_iobinding(binding)
-        return {name: from_ortvalue(value) for name, value in zip(self.output_names, binding.get_outputs())}
+        return {
+            name: from_ortvalue(value) for name, value in zip(self.output_names, binding.get_outputs(), strict=False)
+        }
 
     @functools.cached_property
     def _bfloat16_outputs(self) -> set[str]:
@@ -200,17 +224,26 @@ class OrtRunner(Runner):
         if cache.length == 0:  # validate the first feed fully; later ones only add our own cache
             check_feed(self.input_specs, {**feed, **cache.empty(ids.shape[0])}, self.config)
         elif ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            check_feed(self.input_specs, {**feed, "position_ids": np.zeros_like(ids),
-                                          "past_mask": np.ones((ids.shape[0], 0), dtype=np.int64),
-                                          **cache.empty(ids.shape[0])}, self.config)
+            check_feed(
+                self.input_specs,
+                {
+                    **feed,
+                    "position_ids": np.zeros_like(ids),
+                    "past_mask": np.ones((ids.shape[0], 0), dtype=np.int64),
+                    **cache.empty(ids.shape[0]),
+                },
+                self.config,
+            )
         binding = self.session.io_binding()
         for name, value in feed.items():
             binding.bind_ortvalue_input(name, to_ortvalue(value, self.binding_device, self.device_id))
         if cache.shared:
             cache.grow(ids.shape[0], cache.length + ids.shape[1])
         elif not cache.values:
-            cache.values = {name: to_ortvalue(value, self.binding_device, self.device_id)
-                            for name, value in cache.empty(ids.shape[0]).items()}
+            cache.values = {
+                name: to_ortvalue(value, self.binding_device, self.device_id)
+                for name, value in cache.empty(ids.shape[0]).items()
+            }
         for name in cache.names:
             binding.bind_ortvalue_input(name, cache.buffers[name] if cache.shared else cache.values[name])
         for name in self.output_names:
@@ -224,7 +257,7 @@ class OrtRunner(Runner):
         start = time.perf_counter()
         self.session.run_with_iobinding(binding)
         self.last_inference_time = time.perf_counter() - start
-        values = dict(zip(self.output_names, binding.get_outputs()))
+        values = dict(zip(self.output_names, binding.get_outputs(), strict=False))
         cache.values = {name: values[present_name(name)] for name in cache.names}
         return from_ortvalue(values["logits"])
 
@@ -329,17 +362,24 @@ class PlacementAudit:
     def summary(self, limit: int = 12) -> str:
         """One line: the offending nodes with op types and providers, or what ran where."""
         if self.ok:
-            return (f"all {len(self.nodes) - len(self.host_shape_nodes)} compute node(s) on "
-                    f"{'/'.join(self.allowed)}; {len(self.host_shape_nodes)} shape node(s) on the host")
-        shown = ", ".join(f"{n.node} ({n.op_type} -> {'/'.join(n.output_types) or '?'}, {n.provider})"
-                          for n in self.offending[:limit])
+            return (
+                f"all {len(self.nodes) - len(self.host_shape_nodes)} compute node(s) on "
+                f"{'/'.join(self.allowed)}; {len(self.host_shape_nodes)} shape node(s) on the host"
+            )
+        shown = ", ".join(
+            f"{n.node} ({n.op_type} -> {'/'.join(n.output_types) or '?'}, {n.provider})" for n in self.offending[:limit]
+        )
         more = f" and {len(self.offending) - limit} more" if len(self.offending) > limit else ""
-        return (f"{len(self.offending)} compute node(s) ran outside {'/'.join(self.allowed)}: {shown}{more}; "
-                "pass --allow-cpu-fallback to accept this")
+        return (
+            f"{len(self.offending)} compute node(s) ran outside {'/'.join(self.allowed)}: {shown}{more}; "
+            "pass --allow-cpu-fallback to accept this"
+        )
 
     def to_dict(self) -> dict:
         return {
-            "requested": self.requested, "allowed": list(self.allowed), "ok": self.ok,
+            "requested": self.requested,
+            "allowed": list(self.allowed),
+            "ok": self.ok,
             "nodes": len(self.nodes),
             "offending": [vars(n) | {"output_types": list(n.output_types)} for n in self.offending],
             "host_shape_nodes": len(self.host_shape_nodes),
@@ -391,9 +431,14 @@ def placement_line(audit: dict) -> str:
     allowed = "/".join(audit["allowed"])
     where = f" in graph {audit['graph']!r}" if audit.get("graph") else ""
     if audit["ok"]:
-        return (f"all compute nodes{where} on {allowed} ({audit['nodes'] - audit['host_shape_nodes']} nodes; "
-                f"{audit['host_shape_nodes']} integer shape node(s) on the host)")
+        return (
+            f"all compute nodes{where} on {allowed} ({audit['nodes'] - audit['host_shape_nodes']} nodes; "
+            f"{audit['host_shape_nodes']} integer shape node(s) on the host)"
+        )
     nodes = ", ".join(f"{n['node']} ({n['op_type']}, {n['provider']})" for n in audit["offending"])
-    verdict = "accepted (--allow-cpu-fallback)" if audit.get("fallback_allowed") else \
-        "FAIL; pass --allow-cpu-fallback to accept"
+    verdict = (
+        "accepted (--allow-cpu-fallback)"
+        if audit.get("fallback_allowed")
+        else "FAIL; pass --allow-cpu-fallback to accept"
+    )
     return f"{len(audit['offending'])} compute node(s){where} not on {allowed}: {nodes}: {verdict}"

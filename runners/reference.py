@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from onnx.reference import ReferenceEvaluator
 
-from runners.base import Runner
 from artifact.errors import ModelFileError
+from runners.base import Runner
 
 
 class ReferenceRunner(Runner):
@@ -22,4 +22,4 @@ class ReferenceRunner(Runner):
 
     def _infer(self, feed):
         values = self.evaluator.run(self.output_names, feed)
-        return dict(zip(self.output_names, values))
+        return dict(zip(self.output_names, values, strict=False))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from runners.eager import TORCH_DTYPES, eager_runner
-from runners.ort import PROVIDERS, OrtRunner, SessionLoader, available_providers
-from exporters.lowerings import unsupported_backends
-from runners.reference import ReferenceRunner
 from artifact import Artifact, load_onnx
 from artifact.errors import BackendUnavailableError
+from exporters.lowerings import unsupported_backends
 from models.artifacts import artifact_config
+from runners.eager import TORCH_DTYPES, eager_runner
+from runners.ort import PROVIDERS, OrtRunner, SessionLoader, available_providers
+from runners.reference import ReferenceRunner
 
 BACKENDS = {
     "eager": "PyTorch eager at the export dtype (float32 unless exported with --dtype)",
@@ -64,8 +64,11 @@ def check_backend(name: str, dtype: str | None = None) -> None:
     if name not in available:
         why = ""
         if name in ("ort-cuda", "ort-trt"):
-            why = " (needs onnxruntime-gpu: pip install '.[cuda]', an NVIDIA GPU and its driver" + \
-                  (", and the TensorRT libraries" if name == "ort-trt" else "") + ")"
+            why = (
+                " (needs onnxruntime-gpu: pip install '.[cuda]', an NVIDIA GPU and its driver"
+                + (", and the TensorRT libraries" if name == "ort-trt" else "")
+                + ")"
+            )
         elif name == "eager-cuda":
             why = " (needs a CUDA build of torch and an NVIDIA GPU)"
         raise BackendUnavailableError(
@@ -81,8 +84,15 @@ def check_backend(name: str, dtype: str | None = None) -> None:
         )
 
 
-def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, protos: dict | None = None,
-                  eager_model=None, tf32: bool = False):
+def create_runner(
+    name: str,
+    artifact: Artifact,
+    graph: str | None = None,
+    *,
+    protos: dict | None = None,
+    eager_model=None,
+    tf32: bool = False,
+):
     """Build the runner called `name` for one graph of `artifact` (the only one by default).
 
     protos ({graph name: ModelProto}) avoids re-reading files; eager_model reuses a rebuilt model.
@@ -102,8 +112,9 @@ def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, pr
         return eager_runner(artifact, torch_dtype, name, target.name, protos, model, device=device)
     if name in PROVIDERS:
         loader = SessionLoader(target.model_path, PROVIDERS[name], tf32=tf32)
-        return OrtRunner(loader, target.input_specs, target.output_names, config, name=name,
-                         kv_cache=target.entry.kv_cache)
+        return OrtRunner(
+            loader, target.input_specs, target.output_names, config, name=name, kv_cache=target.entry.kv_cache
+        )
     proto = (protos or {}).get(target.name) or load_onnx(target.model_path)
     return ReferenceRunner(proto, target.input_specs, target.output_names, config)
 
@@ -111,5 +122,8 @@ def create_runner(name: str, artifact: Artifact, graph: str | None = None, *, pr
 def dtype_unsupported(dtype: str) -> dict[str, str]:
     """{backend: why} for the known backends that cannot run artifacts of this export dtype."""
     able = [n for n in BACKENDS if dtype in DTYPES.get(n, (dtype,)) and n != "eager-f64"]
-    return {name: f"it runs {', '.join(dtypes)} artifacts, not {dtype}; for {dtype} use {', '.join(able)}"
-            for name, dtypes in DTYPES.items() if dtype not in dtypes}
+    return {
+        name: f"it runs {', '.join(dtypes)} artifacts, not {dtype}; for {dtype} use {', '.join(able)}"
+        for name, dtypes in DTYPES.items()
+        if dtype not in dtypes
+    }

@@ -19,8 +19,7 @@ def exported(tmp_path_factory):
         if key not in cache:
             spec = get_preset(preset)
             out = tmp_path_factory.mktemp(f"{preset}-{variant}") / "artifact"
-            export_model(spec.build(), spec.family, spec.config, out, variant=variant, preset=spec.name,
-                         seed=spec.seed)
+            export_model(spec.build(), spec.family, spec.config, out, variant=variant, preset=spec.name, seed=spec.seed)
             cache[key] = open_artifact(out)
         return cache[key]
 

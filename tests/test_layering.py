@@ -84,8 +84,13 @@ def test_no_layer_imports_upwards():
 
 def test_the_foundation_imports_none_of_the_others():
     graph = import_graph()
-    outside = sorted(f"{m} imports {t}" for m, ts in graph.items() if m.split(".")[0] == FOUNDATION
-                     for t in ts if t.split(".")[0] != FOUNDATION)
+    outside = sorted(
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        if m.split(".")[0] == FOUNDATION
+        for t in ts
+        if t.split(".")[0] != FOUNDATION
+    )
     assert not outside, "\n".join(outside)
 
 
@@ -99,7 +104,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         path.pop()
@@ -117,10 +122,13 @@ def test_there_is_no_import_cycle_between_modules():
     assert cycle is None, " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("graph,expected", [
-    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
-    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
-])
+@pytest.mark.parametrize(
+    "graph,expected",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
 def test_the_cycle_finder_finds_cycles(graph, expected):
     assert find_cycle(graph) == expected
 
@@ -128,5 +136,7 @@ def test_the_cycle_finder_finds_cycles(graph, expected):
 def test_function_level_imports_count(tmp_path):
     source = tmp_path / "mod.py"
     source.write_text("import os\n\ndef f():\n    from runners.eager import EagerRunner\n    import toolkit.cli\n")
-    assert imported_modules(source, {"runners.eager", "runners", "toolkit.cli", "toolkit"}) == {"runners.eager",
-                                                                                               "toolkit.cli"}
+    assert imported_modules(source, {"runners.eager", "runners", "toolkit.cli", "toolkit"}) == {
+        "runners.eager",
+        "toolkit.cli",
+    }

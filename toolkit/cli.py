@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from toolkit import __version__
 from artifact.errors import ToolkitError
+from toolkit import __version__
 
 
 class UserError(click.ClickException):
@@ -29,8 +29,19 @@ def main():
 
 
 def _register() -> None:
-    from toolkit.commands import (bench, check, depth, export, generate, inspect, presets, quantize, run, serve,
-                                  walkthrough)
+    from toolkit.commands import (
+        bench,
+        check,
+        depth,
+        export,
+        generate,
+        inspect,
+        presets,
+        quantize,
+        run,
+        serve,
+        walkthrough,
+    )
 
     for module in (export, check, run, generate, serve, walkthrough, inspect, presets, depth, quantize, bench):
         main.add_command(module.command)

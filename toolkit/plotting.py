@@ -14,6 +14,8 @@ def pyplot(option: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ToolkitError(f"{option} needs matplotlib; install it with `pip install -e '.[plot]'` "
-                           f"(or pip install matplotlib), or drop {option}") from None
+        raise ToolkitError(
+            f"{option} needs matplotlib; install it with `pip install -e '.[plot]'` "
+            f"(or pip install matplotlib), or drop {option}"
+        ) from None
     return plt

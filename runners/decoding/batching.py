@@ -18,10 +18,10 @@ from typing import Callable
 
 import numpy as np
 
+from artifact.errors import InputError
 from artifact.format import present_name
 from runners.decoding.cache import KVCache
 from runners.decoding.generate import Sampler, Sampling
-from artifact.errors import InputError
 
 
 class QueueFull(Exception):
@@ -55,8 +55,15 @@ class _Row:
 class BatchEngine:
     """One worker thread owns the runner; HTTP handlers only enqueue requests and read events."""
 
-    def __init__(self, runner, max_positions: int, *, max_batch: int = 8, max_queue: int = 32,
-                 on_step: Callable[[int, float], None] | None = None):
+    def __init__(
+        self,
+        runner,
+        max_positions: int,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 32,
+        on_step: Callable[[int, float], None] | None = None,
+    ):
         self.runner = runner
         self.max_positions = max_positions
         self.max_batch = max_batch
@@ -78,8 +85,10 @@ class BatchEngine:
     def submit(self, request: Request) -> None:
         total = len(request.prompt_ids) + request.max_tokens
         if total > self.max_positions:
-            raise InputError(f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_tokens} = "
-                             f"{total} exceeds the context of {self.max_positions} tokens")
+            raise InputError(
+                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.max_tokens} = "
+                f"{total} exceeds the context of {self.max_positions} tokens"
+            )
         try:
             self.pending.put_nowait(request)
         except queue.Full:
@@ -133,8 +142,12 @@ class BatchEngine:
 
     def _prefill(self, request: Request) -> None:
         ids = np.asarray([request.prompt_ids], dtype=np.int64)
-        feed = {"input_ids": ids, "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
-                "past_mask": np.zeros((1, 0), dtype=np.int64), **self.kv.empty(1)}
+        feed = {
+            "input_ids": ids,
+            "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+            "past_mask": np.zeros((1, 0), dtype=np.int64),
+            **self.kv.empty(1),
+        }
         outputs = self.runner.run(feed)
         sampler = Sampler(request.sampling)
         row = _Row(request, sampler, length=ids.shape[1], next_token=-1)
@@ -148,7 +161,7 @@ class BatchEngine:
         old_len = self.mask.shape[1] if self.rows else 0
         width = max(old_len, new_len)
         row_mask = np.zeros((1, width), dtype=np.int64)
-        row_mask[0, width - new_len:] = 1
+        row_mask[0, width - new_len :] = 1
         if self.rows:
             self.mask = np.concatenate([np.pad(self.mask, ((0, 0), (width - old_len, 0))), row_mask])
             for name in self.cache_names:
@@ -185,9 +198,12 @@ class BatchEngine:
         if not self.rows:
             return
         batch = len(self.rows)
-        feed = {"input_ids": np.asarray([[r.next_token] for r in self.rows], dtype=np.int64),
-                "position_ids": np.asarray([[r.length] for r in self.rows], dtype=np.int64),
-                "past_mask": self.mask, **self.cache}
+        feed = {
+            "input_ids": np.asarray([[r.next_token] for r in self.rows], dtype=np.int64),
+            "position_ids": np.asarray([[r.length] for r in self.rows], dtype=np.int64),
+            "past_mask": self.mask,
+            **self.cache,
+        }
         start = time.perf_counter()
         outputs = self.runner.run(feed, trusted=tuple(self.cache_names))
         elapsed = time.perf_counter() - start

@@ -15,10 +15,10 @@ from typing import Callable
 
 import numpy as np
 
+from artifact.errors import ConfigError, InputError
 from artifact.format import is_cache_input
 from models.registry import lm_defaults
 from runners.base import Runner
-from artifact.errors import ConfigError, InputError
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise ConfigError(f"temperature: expected a finite number >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k: expected an integer >= 0, got {self.top_k!r}")
@@ -49,9 +51,11 @@ class Sampler:
         logits = np.asarray(logits, dtype=np.float64)
         if not np.isfinite(logits).all():  # arg-max would silently pick the first NaN
             bad = int(np.flatnonzero(~np.isfinite(logits))[0])
-            raise InputError(f"logits: the model produced {int((~np.isfinite(logits)).sum())} non-finite value(s), "
-                             f"first at token {bad}; check the artifact with `toolkit check` (the cache or weights "
-                             "may overflow its dtype)")
+            raise InputError(
+                f"logits: the model produced {int((~np.isfinite(logits)).sum())} non-finite value(s), "
+                f"first at token {bad}; check the artifact with `toolkit check` (the cache or weights "
+                "may overflow its dtype)"
+            )
         if s.temperature == 0:
             return int(np.argmax(logits))
         scaled = logits / s.temperature
@@ -99,13 +103,17 @@ class CachedLM:
         """Feed ids [B, T] after everything fed so far; returns logits [B, T, V]."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if self.length + ids.shape[1] > self.max_positions:
-            raise InputError(f"input 'input_ids': {self.length} cached + {ids.shape[1]} new positions exceed "
-                             f"max_positions={self.max_positions}; shorten the prompt or --max-new-tokens")
+            raise InputError(
+                f"input 'input_ids': {self.length} cached + {ids.shape[1]} new positions exceed "
+                f"max_positions={self.max_positions}; shorten the prompt or --max-new-tokens"
+            )
         if self.length == 0:
             self.rows = ids.shape[0]
         elif ids.ndim != 2 or ids.shape[0] != self.rows:
-            raise InputError(f"input 'input_ids': expected shape ({self.rows}, new tokens) after {self.length} "
-                             f"cached positions of {self.rows} row(s), got {tuple(ids.shape)}; reset() to start over")
+            raise InputError(
+                f"input 'input_ids': expected shape ({self.rows}, new tokens) after {self.length} "
+                f"cached positions of {self.rows} row(s), got {tuple(ids.shape)}; reset() to start over"
+            )
         extras = lm_defaults(self.runner.input_specs, ids, self.length)
         feed = {"input_ids": ids, **{k: v for k, v in extras.items() if not is_cache_input(k)}}
         logits = self.runner.decode_step(feed, self.kv)
@@ -128,9 +136,16 @@ class Generation:
         return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
-def generate(lm: CachedLM, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: tuple[int, ...] = (), on_token: Callable[[int], None] | None = None,
-             keep_logits: bool = False) -> Generation:
+def generate(
+    lm: CachedLM,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    stop_ids: tuple[int, ...] = (),
+    on_token: Callable[[int], None] | None = None,
+    keep_logits: bool = False,
+) -> Generation:
     """Prefill the prompt, then sample one token per step until a stop token or max_new_tokens."""
     if not prompt_ids:
         raise InputError("prompt: empty; give at least one token")

@@ -10,7 +10,6 @@ from pathlib import Path
 import onnx
 import pytest
 
-from runners.registry import create_runner
 from artifact import (
     MANIFEST_FILE,
     MODEL_FILE,
@@ -20,9 +19,10 @@ from artifact import (
     sha256_file,
     write_artifact,
 )
-from models.artifacts import open_artifact
-from toolkit.check.crosscheck import cross_check
 from artifact.errors import ModelFileError
+from models.artifacts import open_artifact
+from runners.registry import create_runner
+from toolkit.check.crosscheck import cross_check
 
 
 def graph_entry(manifest: dict) -> dict:

@@ -14,17 +14,17 @@ from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
 from artifact import FORMAT, FORMAT_VERSION, MANIFEST_FILE, MODEL_FILE, sha256_bytes
-from models.artifacts import open_artifact
-from models.presets import get_preset
 from artifact.errors import ToolkitError
-from models.artifacts import artifact_config
+from models.artifacts import artifact_config, open_artifact
+from models.presets import get_preset
 
 pytestmark = pytest.mark.slow
 
 
 CASES = 2000
-SETTINGS = settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=CASES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 INTERESTING = [0, 1, 8, 127, 128, 255, 2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1]
 
 
@@ -32,7 +32,8 @@ def tiny_model_bytes(manifest: dict) -> bytes:
     import numpy as np
 
     graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "W"], ["y"])], "tiny",
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "tiny",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
         [numpy_helper.from_array(np.arange(4, dtype=np.float32), "W")],
@@ -46,20 +47,59 @@ def tiny_model_bytes(manifest: dict) -> bytes:
 def base_manifest() -> dict:
     preset = get_preset("block-small")
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "family": preset.family, "variant": "stages",
-        "config": preset.config.to_dict(), "extra_files": {},
-        "graphs": [{"name": "model", "file": MODEL_FILE, "sha256": None, "weights": {},
-                    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
-                    "outputs": [{"name": "y"}]}],
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "family": preset.family,
+        "variant": "stages",
+        "config": preset.config.to_dict(),
+        "extra_files": {},
+        "graphs": [
+            {
+                "name": "model",
+                "file": MODEL_FILE,
+                "sha256": None,
+                "weights": {},
+                "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+                "outputs": [{"name": "y"}],
+            }
+        ],
     }
 
 
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**65), 2**65), st.floats(), st.text(max_size=8),
-                         st.sampled_from(["model.onnx", "../model.onnx", "/etc/passwd", "float32", "int64", "complex64",
-                                          "batch", "", "0" * 64, "a" * 64, "llama", "block", "gpt"]))
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.sampled_from(["name", "dtype", "shape", "file", "x", ""]) | st.text(max_size=4), inner, max_size=3),
-    max_leaves=8)
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**65), 2**65),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(
+        [
+            "model.onnx",
+            "../model.onnx",
+            "/etc/passwd",
+            "float32",
+            "int64",
+            "complex64",
+            "batch",
+            "",
+            "0" * 64,
+            "a" * 64,
+            "llama",
+            "block",
+            "gpt",
+        ]
+    ),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["name", "dtype", "shape", "file", "x", ""]) | st.text(max_size=4), inner, max_size=3
+        )
+    ),
+    max_leaves=8,
+)
 
 
 def paths_in(value, prefix=()):
@@ -116,13 +156,13 @@ def mutated(draw, valid: bytes) -> bytes:
                 value >>= 7
                 if not value:
                     break
-            data[at:at + len(out)] = out
+            data[at : at + len(out)] = out
         elif kind == "truncate":
             del data[at:]
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=12))
         elif kind == "delete":
-            del data[at:at + draw(st.integers(1, 12))]
+            del data[at : at + draw(st.integers(1, 12))]
     return bytes(data)
 
 
@@ -150,8 +190,10 @@ def test_fuzz_manifest_loading(tmp_path, fuzz_summary):
         counts[outcome(lambda: artifact_config(open_artifact(directory)))] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of artifact manifest loading "
-                 f"({counts['loaded']} loaded, {counts['refused']} refused)")
+    fuzz_summary(
+        f"fuzzed {counts['cases']} cases of artifact manifest loading "
+        f"({counts['loaded']} loaded, {counts['refused']} refused)"
+    )
     assert counts["cases"] >= CASES and counts["loaded"] > 0
 
 
@@ -172,7 +214,9 @@ def test_fuzz_onnx_loading(tmp_path, fuzz_summary):
         counts[outcome(lambda: open_artifact(path))] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of artifact ONNX loading "
-                 f"({counts['loaded']} loaded, {counts['refused']} refused)")
+    fuzz_summary(
+        f"fuzzed {counts['cases']} cases of artifact ONNX loading "
+        f"({counts['loaded']} loaded, {counts['refused']} refused)"
+    )
     assert counts["cases"] >= CASES
     assert onnx.load_from_string(valid).graph.name == "tiny"

@@ -13,7 +13,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from artifact import (
     ALLOWED_OPSETS,
     DEFAULT_MAX_MODEL_BYTES,
@@ -32,8 +31,9 @@ from artifact import (
     validate_onnx,
     write_artifact,
 )
-from models.artifacts import open_artifact
 from artifact.errors import ConfigError, ModelFileError
+from models.artifacts import open_artifact
+from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 
 NEWEST = onnx.defs.onnx_opset_version()
 WEIGHT = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5  # hand-chosen, read back exactly
@@ -42,7 +42,8 @@ WEIGHT = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5  # hand-chosen, read
 def tiny_model(opsets=(("", 20),), ir_version=10) -> onnx.ModelProto:
     """y = x + W (W an initializer): the smallest graph with a tensor that can live in external data."""
     graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "W"], ["y"])], "tiny",
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "tiny",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
         [numpy_helper.from_array(WEIGHT, "W")],
@@ -101,6 +102,7 @@ def no_runtime(monkeypatch):
         def init(self, *args, **kwargs):
             calls.append(name)
             raise AssertionError(f"{name} saw a file the loader should have refused")
+
         return init
 
     monkeypatch.setattr(onnxruntime.InferenceSession, "__init__", refuse("InferenceSession"))
@@ -137,7 +139,9 @@ def test_initializer_bytes_that_disagree_with_its_shape_are_corrupt(tmp_path, ch
     model = tiny_model()
     raw = model.graph.initializer[0].raw_data
     model.graph.initializer[0].raw_data = raw[:change] if change < 0 else raw + bytes(change)
-    with pytest.raises(CorruptModelError, match=rf"'W' holds {WEIGHT.nbytes + change} bytes.*\[2, 3\].*need {WEIGHT.nbytes}"):
+    with pytest.raises(
+        CorruptModelError, match=rf"'W' holds {WEIGHT.nbytes + change} bytes.*\[2, 3\].*need {WEIGHT.nbytes}"
+    ):
         open_artifact(save(model, tmp_path / "m.onnx"))
     assert no_runtime == []
 
@@ -241,11 +245,15 @@ def test_artifact_with_escaping_external_data_is_refused_before_any_runtime(arti
 # --------------------------------------------------------------------------- opsets and IR versions
 
 
-@pytest.mark.parametrize("opsets", [
-    (("", 20),),
-    (("", NEWEST), (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION)),
-    (("", 23), ("com.microsoft", 1)),
-], ids=["exported", "newest+custom", "standard+ort"])
+@pytest.mark.parametrize(
+    "opsets",
+    [
+        (("", 20),),
+        (("", NEWEST), (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION)),
+        (("", 23), ("com.microsoft", 1)),
+    ],
+    ids=["exported", "newest+custom", "standard+ort"],
+)
 def test_known_opsets_are_accepted(tmp_path, opsets):
     validate_onnx(save(tiny_model(opsets), tmp_path / "m.onnx"))
 
@@ -253,9 +261,11 @@ def test_known_opsets_are_accepted(tmp_path, opsets):
 OPSETS = {
     "default newer than onnx": ((("", NEWEST + 1),), rf"the default domain version {NEWEST + 1}.*1\.\.{NEWEST}"),
     "default version 0": ((("", 0),), r"the default domain version 0"),
-    "custom domain v2": ((("", 20), (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION + 1)),
-                         rf"{CUSTOM_DOMAIN} version {CUSTOM_DOMAIN_VERSION + 1}; this toolkit reads versions "
-                         rf"1\.\.{CUSTOM_DOMAIN_VERSION}"),
+    "custom domain v2": (
+        (("", 20), (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION + 1)),
+        rf"{CUSTOM_DOMAIN} version {CUSTOM_DOMAIN_VERSION + 1}; this toolkit reads versions "
+        rf"1\.\.{CUSTOM_DOMAIN_VERSION}",
+    ),
     "com.microsoft v2": ((("", 20), ("com.microsoft", 2)), r"com\.microsoft version 2"),
     "unknown domain": ((("", 20), ("evil.ops", 1)), r"operator domain 'evil\.ops' \(version 1\).*does not know"),
 }
@@ -270,8 +280,16 @@ def test_unknown_opsets_are_refused(tmp_path, case):
 
 def test_a_function_importing_an_unknown_domain_is_refused(tmp_path):
     model = tiny_model((("", 20), (CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION)))
-    model.functions.append(helper.make_function(CUSTOM_DOMAIN, "F", ["a"], ["b"], [helper.make_node("Identity", ["a"], ["b"])],
-                                                [helper.make_opsetid("", 20), helper.make_opsetid("other", 3)]))
+    model.functions.append(
+        helper.make_function(
+            CUSTOM_DOMAIN,
+            "F",
+            ["a"],
+            ["b"],
+            [helper.make_node("Identity", ["a"], ["b"])],
+            [helper.make_opsetid("", 20), helper.make_opsetid("other", 3)],
+        )
+    )
     with pytest.raises(UnsupportedOpsetError, match=rf"function {CUSTOM_DOMAIN}::F imports operator domain 'other'"):
         validate_onnx(save(model, tmp_path / "m.onnx"))
 
@@ -331,8 +349,10 @@ MANIFESTS = {
     "graph file climbs out": (lambda m: m["graphs"][0].update(file="../model.onnx"), r"must be a plain file name"),
     "graph file not a string": (lambda m: m["graphs"][0].update(file=["model.onnx"]), r"must be a plain file name"),
     "graph name not a string": (lambda m: m["graphs"][0].update(name=3), r"graph 'name' must be a non-empty string"),
-    "input dtype unknown": (lambda m: m["graphs"][0]["inputs"][0].update(dtype="complex64"),
-                            r"dtype 'complex64' is not one of"),
+    "input dtype unknown": (
+        lambda m: m["graphs"][0]["inputs"][0].update(dtype="complex64"),
+        r"dtype 'complex64' is not one of",
+    ),
     "input shape negative": (lambda m: m["graphs"][0]["inputs"][0].update(shape=[-1]), r"shape must be a list"),
     "outputs not a list": (lambda m: m["graphs"][0].update(outputs={"a": 1}), r"'outputs' must be a list"),
     "extra file climbs out": (lambda m: m.update(extra_files={"../x": "0" * 64}), r"'extra_files' must map plain"),

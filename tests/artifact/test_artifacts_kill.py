@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 from artifact import MANIFEST_FILE, MODEL_FILE, sha256_file, write_artifact
-from models.artifacts import open_artifact
 from artifact.errors import ModelFileError
+from models.artifacts import open_artifact
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,8 +29,6 @@ CHILD = r"""
 import os, shutil, sys, time
 from pathlib import Path
 import artifact.write as artifacts
-
-pytestmark = pytest.mark.slow
 
 target, source, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
@@ -77,8 +77,14 @@ def leftovers(parent: Path, name: str) -> list[str]:
 
 def kill_writer_at(point: str, target: Path, source: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(target), str(source), point], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(target), str(source), point],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = child.stdout.readline()
         assert line == "ready\n", f"child never reached {point!r}: {line!r} {child.stderr.read()}"

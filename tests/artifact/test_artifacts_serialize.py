@@ -38,15 +38,27 @@ def model_with_every_field() -> onnx.ModelProto:
     inits.append(helper.make_tensor("listed", TensorProto.FLOAT, [2], [1.5, -2.0]))  # float_data, no raw_data
     inits.append(helper.make_tensor("empty", TensorProto.FLOAT, [0], []))
     nodes = [helper.make_node("Add", ["x", f"w{i}"], [f"y{i}"], name=f"add{i}") for i in range(len(weights))]
-    graph = helper.make_graph(nodes, "every", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(4)],
-                              inits, doc_string="graph doc",
-                              value_info=[helper.make_tensor_value_info("v", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph(
+        nodes,
+        "every",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(4)],
+        inits,
+        doc_string="graph doc",
+        value_info=[helper.make_tensor_value_info("v", TensorProto.FLOAT, [1])],
+    )
     graph.sparse_initializer.add().values.CopyFrom(helper.make_tensor("s", TensorProto.FLOAT, [1], [1.0]))
     graph.quantization_annotation.add(tensor_name="w0")
     graph.metadata_props.add(key="graph", value="prop")
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], producer_name="p",
-                              producer_version="1", domain="d", model_version=3, doc_string="model doc")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 20)],
+        producer_name="p",
+        producer_version="1",
+        domain="d",
+        model_version=3,
+        doc_string="model doc",
+    )
     model.metadata_props.add(key="k", value="v")
     model.functions.add(name="f", domain="custom")
     model.training_info.add()
@@ -76,18 +88,35 @@ def test_serialize_model_on_an_exported_artifact(exported):
 
 def artifact_files(model: onnx.ModelProto, **extra: bytes) -> dict[str, bytes]:
     data = model.SerializeToString()
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": "llama",
-                "variant": "stages", "config": {}, "extra_files": {n: sha256_bytes(d) for n, d in extra.items()},
-                "graphs": [{"name": "model", "file": MODEL_FILE, "inputs": [], "outputs": [], "weights": {},
-                            "sha256": sha256_bytes(data)}]}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "family": "llama",
+        "variant": "stages",
+        "config": {},
+        "extra_files": {n: sha256_bytes(d) for n, d in extra.items()},
+        "graphs": [
+            {
+                "name": "model",
+                "file": MODEL_FILE,
+                "inputs": [],
+                "outputs": [],
+                "weights": {},
+                "sha256": sha256_bytes(data),
+            }
+        ],
+    }
     return {MODEL_FILE: data, **extra, MANIFEST_FILE: json.dumps(manifest).encode()}
 
 
 def tiny() -> onnx.ModelProto:
-    graph = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "tiny",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
-                              [numpy_helper.from_array(np.array([1.0, -2.0], np.float32), "W")])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.array([1.0, -2.0], np.float32), "W")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     model.ir_version = 10
     return model
@@ -108,8 +137,9 @@ def test_write_and_load_loads_once_and_returns_the_artifact_at_its_place(tmp_pat
     again = real(out)
     assert artifact.directory == again.directory == out
     assert artifact.manifest == again.manifest
-    assert [(g.name, g.model_path, g.entry) for g in artifact.graphs] == \
-        [(g.name, g.model_path, g.entry) for g in again.graphs]
+    assert [(g.name, g.model_path, g.entry) for g in artifact.graphs] == [
+        (g.name, g.model_path, g.entry) for g in again.graphs
+    ]
     assert artifact.model_path == out / MODEL_FILE and artifact.model_path.is_file()
 
 
@@ -153,8 +183,9 @@ def tensor_with_text(where: str) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize("where", ["initializer name", "initializer doc_string", "initializer metadata",
-                                   "constant tensor name"])
+@pytest.mark.parametrize(
+    "where", ["initializer name", "initializer doc_string", "initializer metadata", "constant tensor name"]
+)
 def test_tensor_text_that_is_not_utf8_is_corrupt(tmp_path, where):
     model = tensor_with_text(where)
     (tmp_path / "ok.onnx").write_bytes(model.SerializeToString())

@@ -20,23 +20,29 @@ import onnxruntime
 import pytest
 import torch
 
-import exporters.onnx_export as onnx_export
 import artifact as artifacts
 import artifact.read as artifact_read
 import artifact.write as artifact_write
+import exporters.onnx_export as onnx_export
+from artifact import METADATA_KEY
+from artifact.errors import ConfigError, ExportError, ModelFileError
 from exporters.onnx_export import export_model, output_names
+from models.artifacts import artifact_config, open_artifact
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
+from models.presets import get_preset
 from models.registry import get_family
 from runners.registry import create_runner
-from artifact import METADATA_KEY
-from models.artifacts import open_artifact
 from toolkit.check.crosscheck import cross_check
-from models.presets import get_preset
-from artifact.errors import ConfigError, ExportError, ModelFileError
-from models.artifacts import artifact_config
 
-PRE_NORM = ["attention_norm", "attention_weights", "attention_branch", "after_attention",
-            "feed_forward_norm", "feed_forward_branch", "output"]
+PRE_NORM = [
+    "attention_norm",
+    "attention_weights",
+    "attention_branch",
+    "after_attention",
+    "feed_forward_norm",
+    "feed_forward_branch",
+    "output",
+]
 PRESETS = ["block-small", "decoder-small"]
 
 
@@ -75,8 +81,9 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- graph structure
 
 
-@pytest.mark.parametrize("preset,variant", [("block-small", "stages"), ("decoder-small", "stages"),
-                                            ("decoder-small", "serving")])
+@pytest.mark.parametrize(
+    "preset,variant", [("block-small", "stages"), ("decoder-small", "stages"), ("decoder-small", "serving")]
+)
 def test_custom_ops_are_single_nodes_with_expected_counts(exported, preset, variant):
     proto = load_proto(exported(preset, variant))
     config = get_preset(preset).config
@@ -129,8 +136,10 @@ def test_stage_outputs_are_named_like_eager_stages(exported, preset):
     spec = get_preset(preset)
     # ... and exactly like the dictionary the eager model returns, in its computation order.
     sample = get_family(spec.family).random_inputs(spec.config, 1, 2, np.random.default_rng(0))
-    args = [torch.from_numpy(np.asarray(v)).to(torch.float32 if np.asarray(v).dtype.kind == "f" else torch.int64)
-            for v in sample.values()]
+    args = [
+        torch.from_numpy(np.asarray(v)).to(torch.float32 if np.asarray(v).dtype.kind == "f" else torch.int64)
+        for v in sample.values()
+    ]
     with torch.no_grad():
         eager = spec.build()(*args)
     assert names == list(eager)
@@ -148,8 +157,9 @@ def test_serving_variant_of_a_language_model_is_the_kv_cache_graph(exported):
     proto = load_proto(exported("decoder-small", "serving"))
     cache = [f"{io}.{i}.{kind}" for i in range(config.layers) for kind in ("key", "value") for io in ("x",)]
     assert [o.name for o in proto.graph.output] == ["logits"] + [c.replace("x.", "present.") for c in cache]
-    assert [i.name for i in proto.graph.input] == (["input_ids", "position_ids", "past_mask"]
-                                                   + [c.replace("x.", "past.") for c in cache])
+    assert [i.name for i in proto.graph.input] == (
+        ["input_ids", "position_ids", "past_mask"] + [c.replace("x.", "past.") for c in cache]
+    )
     logits = proto.graph.output[0].type.tensor_type
     assert logits.elem_type == onnx.TensorProto.FLOAT
     assert logits.shape.dim[-1].dim_value == config.vocab_size
@@ -165,8 +175,9 @@ def test_unknown_variant_is_refused(exported):
         output_names(spec.family, spec.config, "debug")
 
 
-@pytest.mark.parametrize("preset,elem,fixed", [("block-small", onnx.TensorProto.FLOAT, [12]),
-                                               ("decoder-small", onnx.TensorProto.INT64, [])])
+@pytest.mark.parametrize(
+    "preset,elem,fixed", [("block-small", onnx.TensorProto.FLOAT, [12]), ("decoder-small", onnx.TensorProto.INT64, [])]
+)
 def test_inputs_have_dynamic_batch_and_sequence(exported, preset, elem, fixed):
     proto = load_proto(exported(preset))
     (graph_input,) = [i for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}]
@@ -268,8 +279,9 @@ def canned_trace(exported, monkeypatch):
 
     monkeypatch.setattr(onnx_export, "_trace", fake_trace)
     spec = get_preset("block-small")
-    return lambda out, **kw: export_model(spec.build(), spec.family, spec.config, out, preset=spec.name,
-                                          seed=spec.seed, **kw)
+    return lambda out, **kw: export_model(
+        spec.build(), spec.family, spec.config, out, preset=spec.name, seed=spec.seed, **kw
+    )
 
 
 @pytest.fixture
@@ -284,7 +296,10 @@ def test_canned_reexport_replaces_an_artifact_cleanly(canned_trace, good_artifac
     (good_artifact / "stale.txt").write_text("from an older export")
     artifact = canned_trace(good_artifact)
     assert sorted(p.name for p in good_artifact.iterdir()) == [artifacts.MANIFEST_FILE, artifacts.MODEL_FILE]
-    assert manifest_sha(artifact.manifest.to_dict()) == hashlib.sha256((good_artifact / artifacts.MODEL_FILE).read_bytes()).hexdigest()
+    assert (
+        manifest_sha(artifact.manifest.to_dict())
+        == hashlib.sha256((good_artifact / artifacts.MODEL_FILE).read_bytes()).hexdigest()
+    )
     assert leftovers(good_artifact.parent, good_artifact.name) == []
     assert open_artifact(good_artifact).family == "block"
 

@@ -89,8 +89,10 @@ def test_function_bodies_import_the_default_opset_and_declare_their_signature():
 def test_rms_norm_function_matches_formula(backend, dtype, eps):
     rng = np.random.default_rng(1)
     # Small inputs so that eps = 0.25 visibly changes the result.
-    inputs = {"x": (0.3 * rng.standard_normal((2, 3, 5))).astype(dtype),
-              "weight": (1 + 0.5 * rng.standard_normal(5)).astype(dtype)}
+    inputs = {
+        "x": (0.3 * rng.standard_normal((2, 3, 5))).astype(dtype),
+        "weight": (1 + 0.5 * rng.standard_normal(5)).astype(dtype),
+    }
     model = single_node_model("RMSNorm", inputs, epsilon=eps)
     got = BACKENDS[backend](model, inputs)
     assert got.dtype == dtype and got.shape == (2, 3, 5)
@@ -139,7 +141,11 @@ def test_swiglu_function_matches_formula(backend, dtype):
 def test_swiglu_hand_computed_value(backend):
     # x = (1, 0); gate row (2, 0) -> g = 2; up row (0, 0) + (3 from x0) -> u = 3; down = [[1]]
     # y = silu(2) * 3 = 2 * sigmoid(2) * 3
-    inputs = {"x": np.array([[1.0, 0.0]]), "gate_proj": np.array([[2.0, 5.0]]),
-              "up_proj": np.array([[3.0, -7.0]]), "down_proj": np.array([[1.0]])}
+    inputs = {
+        "x": np.array([[1.0, 0.0]]),
+        "gate_proj": np.array([[2.0, 5.0]]),
+        "up_proj": np.array([[3.0, -7.0]]),
+        "down_proj": np.array([[1.0]]),
+    }
     got = BACKENDS[backend](single_node_model("SwiGLU", inputs), inputs)
     np.testing.assert_allclose(got, [[6.0 / (1.0 + np.exp(-2.0))]], rtol=1e-14, atol=0)

@@ -13,17 +13,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from artifact.errors import BackendUnavailableError, ExportError
 from exporters.lowerings import MS_DOMAIN, unsupported_backends
 from exporters.onnx_export import export_model
+from models.artifacts import artifact_config
 from models.llama import LlamaConfig
+from models.presets import get_preset
 from models.registry import build_model, get_family
 from runners.eager import model_from_artifact
 from runners.registry import create_runner
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from models.presets import get_preset
-from artifact.errors import BackendUnavailableError, ExportError
-from models.artifacts import artifact_config
 
 # The block family (hand-set weights) and a GQA stack; block-small and decoder-small go the same way.
 CHECKED_PRESETS = ("worked-example", "decoder-small-gqa")
@@ -46,8 +46,9 @@ def preset_exports(tmp_path_factory):
         spec = get_preset(preset)
         for lowering in ("standard", "ort"):
             path = tmp_path_factory.mktemp(f"{preset}-{lowering}")
-            out[preset, lowering] = export_model(spec.build(), spec.family, spec.config, path / "a",
-                                                 preset=spec.name, seed=spec.seed, lowering=lowering)
+            out[preset, lowering] = export_model(
+                spec.build(), spec.family, spec.config, path / "a", preset=spec.name, seed=spec.seed, lowering=lowering
+            )
     return out
 
 
@@ -130,8 +131,9 @@ def test_kv_cache_decode_steps_on_every_lowering(serving_exports):
 def packed_export(request, tmp_path_factory):
     config = dataclasses.replace(PACKED_CONFIG, rope_pairing=request.param)
     model = build_model("llama", config, seed=5)
-    return export_model(model, "llama", config, tmp_path_factory.mktemp("packed") / "a", variant="serving",
-                        lowering="ort")
+    return export_model(
+        model, "llama", config, tmp_path_factory.mktemp("packed") / "a", variant="serving", lowering="ort"
+    )
 
 
 def test_packed_gqa_rotates_inside_the_kernel(packed_export, serving_exports):
@@ -161,10 +163,13 @@ def test_packed_gqa_decode_steps_pass_check(packed_export):
     assert "decode.2.logits" in report.stages
 
 
-@pytest.mark.parametrize("positions", [
-    [[3, 4, 5], [5, 6, 7]],  # each row continues its own history
-    [[0, 2, 4], [7, 1, 3]],  # arbitrary positions: the kernel must rotate by each entry, not count from the first
-])
+@pytest.mark.parametrize(
+    "positions",
+    [
+        [[3, 4, 5], [5, 6, 7]],  # each row continues its own history
+        [[0, 2, 4], [7, 1, 3]],  # arbitrary positions: the kernel must rotate by each entry, not count from the first
+    ],
+)
 def test_packed_gqa_padded_batch_matches_the_oracle(packed_export, positions):
     assert_padded_batch_matches_the_oracle(packed_export, positions, seed=1)
 
@@ -174,9 +179,11 @@ def assert_padded_batch_matches_the_oracle(artifact, positions, seed: int) -> No
     c = artifact_config(artifact)
     rng = np.random.default_rng(seed)
     batch, past, new = 2, 5, 3
-    feed = {"input_ids": rng.integers(0, c.vocab_size, (batch, new)),
-            "past_mask": np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64),
-            "position_ids": np.array(positions, dtype=np.int64)}
+    feed = {
+        "input_ids": rng.integers(0, c.vocab_size, (batch, new)),
+        "past_mask": np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64),
+        "position_ids": np.array(positions, dtype=np.int64),
+    }
     for i in range(c.layers):
         for kind in ("key", "value"):
             feed[f"past.{i}.{kind}"] = rng.standard_normal((batch, c.kv_heads, past, c.head_width)).astype(np.float32)
@@ -214,7 +221,10 @@ def test_gpu_backends_are_refused_for_float32_group_query_attention(packed_expor
     """ONNX Runtime registers its CUDA GroupQueryAttention for float16 and bfloat16 only."""
     why = unsupported_backends(packed_export.manifest)
     assert set(why) == {"onnx-reference", "ort-cuda", "ort-trt"}
-    assert "takes float16 and bfloat16 only, and this artifact is float32; re-export with --dtype float16" in why["ort-cuda"]
+    assert (
+        "takes float16 and bfloat16 only, and this artifact is float32; re-export with --dtype float16"
+        in why["ort-cuda"]
+    )
     as_float16 = dataclasses.replace(packed_export.manifest, dtype="float16")
     assert set(unsupported_backends(as_float16)) == {"onnx-reference"}
     # The opset-23 Attention fallback (head width 4) has no such limit.
@@ -241,7 +251,8 @@ def test_cli_export_and_check_with_a_lowering(tmp_path):
     assert result.exit_code == 2
     assert "Error: backend 'onnx-reference' cannot run" in result.output
     assert "Traceback" not in result.output
-    result = runner.invoke(main, ["export", "--preset", "gpt-tiny", "--lowering", "standard",
-                                  "--out", str(tmp_path / "gpt")])
+    result = runner.invoke(
+        main, ["export", "--preset", "gpt-tiny", "--lowering", "standard", "--out", str(tmp_path / "gpt")]
+    )
     assert result.exit_code == 2
     assert "Error: lowering 'standard' cannot express" in result.output

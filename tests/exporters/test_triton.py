@@ -9,10 +9,10 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-from exporters.triton import config_pbtxt, write_triton_repo
-from toolkit.cli import main
 from artifact.errors import ExportError, ModelFileError
+from exporters.triton import config_pbtxt, write_triton_repo
 from tests.optional import missing
+from toolkit.cli import main
 
 
 def _schema():
@@ -45,7 +45,7 @@ def test_config_matches_the_onnx_graph(exported, tmp_path):
     schema = _schema()
     for declared, values in ((config.input, proto.graph.input), (config.output, proto.graph.output)):
         assert [t.name for t in declared] == [v.name for v in values]
-        for tensor, value in zip(declared, values):
+        for tensor, value in zip(declared, values, strict=False):
             assert schema.DataType.Name(tensor.data_type) == DTYPE[value.type.tensor_type.elem_type]
             # Triton's dims leave out the batch axis; symbolic axes are -1, fixed ones keep their size.
             onnx_dims = [d.dim_value if d.dim_value else -1 for d in value.type.tensor_type.shape.dim][1:]
@@ -75,8 +75,20 @@ def test_multi_graph_artifacts_are_refused(exported, tmp_path):
 
 
 def test_cli_writes_the_repository(tmp_path):
-    result = CliRunner().invoke(main, ["export", "--preset", "decoder-small", "--variant", "serving",
-                                       "--out", str(tmp_path / "a"), "--triton-repo", str(tmp_path / "repo")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--preset",
+            "decoder-small",
+            "--variant",
+            "serving",
+            "--out",
+            str(tmp_path / "a"),
+            "--triton-repo",
+            str(tmp_path / "repo"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     config = _parse((tmp_path / "repo" / "decoder-small" / "config.pbtxt").read_text())
     assert [t.name for t in config.input][:3] == ["input_ids", "position_ids", "past_mask"]

@@ -25,8 +25,9 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     return F.cross_entropy(logits[valid], targets[valid], reduction="mean")
 
 
-def gradient_receipt(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor,
-                     ignore_index: int = IGNORE_INDEX) -> dict:
+def gradient_receipt(
+    model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> dict:
     """One backward pass; every named parameter tensor must get a finite, non-zero gradient norm."""
     model.zero_grad(set_to_none=True)
     loss = token_cross_entropy(model(input_ids)["logits"], targets, ignore_index)
@@ -36,7 +37,13 @@ def gradient_receipt(model: torch.nn.Module, input_ids: torch.Tensor, targets: t
         norms[name] = math.nan if parameter.grad is None else float(parameter.grad.norm())
     dead = [n for n, v in norms.items() if not (math.isfinite(v) and v > 0)]
     model.zero_grad(set_to_none=True)
-    return {"loss": float(loss.detach()), "gradient_norms": norms, "tensors": len(norms), "dead": dead, "passed": not dead}
+    return {
+        "loss": float(loss.detach()),
+        "gradient_norms": norms,
+        "tensors": len(norms),
+        "dead": dead,
+        "passed": not dead,
+    }
 
 
 @torch.no_grad()
@@ -47,8 +54,11 @@ def causality_receipt(model: torch.nn.Module, input_ids: torch.Tensor, vocab_siz
     before, after = model(input_ids)["logits"], model(changed)["logits"]
     prefix_equal = bool(torch.equal(before[:, :-1], after[:, :-1]))
     last_changed = not torch.equal(before[:, -1], after[:, -1])
-    return {"prefix_bitwise_equal": prefix_equal, "last_position_changed": last_changed,
-            "passed": prefix_equal and last_changed}
+    return {
+        "prefix_bitwise_equal": prefix_equal,
+        "last_position_changed": last_changed,
+        "passed": prefix_equal and last_changed,
+    }
 
 
 @torch.no_grad()

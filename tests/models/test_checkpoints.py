@@ -26,12 +26,12 @@ from safetensors.torch import save_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from artifact.errors import ModelFileError  # noqa: E402
 from exporters.onnx_export import export_model  # noqa: E402
 from models.checkpoints import import_checkpoint  # noqa: E402
 from runners.decoding.generate import CachedLM  # noqa: E402
 from runners.registry import create_runner  # noqa: E402
 from toolkit.check.crosscheck import graph_feed  # noqa: E402
-from artifact.errors import ModelFileError  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 VOCAB, WIDTH, HEADS, FF, LAYERS, MAX_POS = 50, 32, 4, 40, 2, 32
@@ -61,20 +61,44 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
-def hf_llama(*, kv_heads=2, tie=False, rope_theta=100.0, vocab=VOCAB, width=WIDTH, heads=HEADS, ff=FF,
-             layers=LAYERS, seed=0) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=ff, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=MAX_POS,
-                         rope_theta=rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-                         attn_implementation="eager", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+def hf_llama(
+    *, kv_heads=2, tie=False, rope_theta=100.0, vocab=VOCAB, width=WIDTH, heads=HEADS, ff=FF, layers=LAYERS, seed=0
+) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=ff,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=MAX_POS,
+        rope_theta=rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(seed)
     return randomize(LlamaForCausalLM(config), seed)
 
 
 def hf_gpt2(seed=0, layers=LAYERS) -> GPT2LMHeadModel:
-    config = GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_head=HEADS, n_layer=layers, n_positions=16,
-                        activation_function="gelu_new", attn_implementation="eager", bos_token_id=None,
-                        eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=WIDTH,
+        n_head=HEADS,
+        n_layer=layers,
+        n_positions=16,
+        activation_function="gelu_new",
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(seed)
     return randomize(GPT2LMHeadModel(config), seed)
 
@@ -121,8 +145,9 @@ def write_hf(directory: Path, config: dict, tensors: dict) -> Path:
 # --------------------------------------------------------------------------- Hugging Face import
 
 
-@pytest.mark.parametrize("kv_heads,tie", [(2, False), (4, True), (1, False)],
-                         ids=["gqa-untied", "mha-tied", "mqa-untied"])
+@pytest.mark.parametrize(
+    "kv_heads,tie", [(2, False), (4, True), (1, False)], ids=["gqa-untied", "mha-tied", "mqa-untied"]
+)
 def test_llama_import_matches_transformers(tmp_path, kv_heads, tie):
     hf = hf_llama(kv_heads=kv_heads, tie=tie, rope_theta=250.0, seed=kv_heads)
     directory = save(hf, tmp_path / "hf")
@@ -200,8 +225,14 @@ def serving_exports(tmp_path_factory):
     for key, hf in models_.items():
         root = tmp_path_factory.mktemp(key)
         imported = import_checkpoint(save(hf, root / "hf"))
-        artifact = export_model(imported.model, imported.family, imported.config, root / "artifact",
-                                variant="serving", source=imported.source)
+        artifact = export_model(
+            imported.model,
+            imported.family,
+            imported.config,
+            root / "artifact",
+            variant="serving",
+            source=imported.source,
+        )
         out[key] = (hf, imported, artifact)
     return out
 
@@ -216,7 +247,7 @@ def test_serving_export_on_ort_matches_transformers(serving_exports, key):
     assert_close_f32(out["logits"], want, factor=5e-5)
     # Decoding through the graph's own cache continues the same function as the full forward.
     lm = CachedLM(create_runner("ort-cpu", artifact), imported.config.max_positions)
-    steps = [lm.step(ids[:, :5])[:, -1]] + [lm.step(ids[:, t:t + 1])[:, -1] for t in range(5, 9)]
+    steps = [lm.step(ids[:, :5])[:, -1]] + [lm.step(ids[:, t : t + 1])[:, -1] for t in range(5, 9)]
     assert_close_f32(np.stack(steps, axis=1), want[:, 4:9], factor=5e-5)
 
 
@@ -236,27 +267,38 @@ def _mutate_config(**changes):
                 config.pop(key, None)
             else:
                 config[key] = value
+
     return fn
 
 
 BAD_HF = {
-    "missing tensor": (lambda c, t: t.pop("model.layers.1.mlp.up_proj.weight"),
-                       r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight' \(expected shape \(40, 32\)\)"),
-    "wrong shape": (lambda c, t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 32)}),
-                    r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(32, 32\), expected \(16, 32\)"),
-    "extra tensor": (lambda c, t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}),
-                     r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'"),
+    "missing tensor": (
+        lambda c, t: t.pop("model.layers.1.mlp.up_proj.weight"),
+        r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight' \(expected shape \(40, 32\)\)",
+    ),
+    "wrong shape": (
+        lambda c, t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 32)}),
+        r"tensor 'model\.layers\.0\.self_attn\.k_proj\.weight' has shape \(32, 32\), expected \(16, 32\)",
+    ),
+    "extra tensor": (
+        lambda c, t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}),
+        r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'",
+    ),
     "missing head": (lambda c, t: t.pop("lm_head.weight"), r"missing tensor 'lm_head\.weight'"),
-    "unknown model_type": (_mutate_config(model_type="mistral"),
-                           r"model_type 'mistral' is not supported; supported: llama.*gpt2"),
+    "unknown model_type": (
+        _mutate_config(model_type="mistral"),
+        r"model_type 'mistral' is not supported; supported: llama.*gpt2",
+    ),
     "no model_type": (_mutate_config(model_type=None), r"model_type None is not supported; supported: llama"),
     "hidden_act": (_mutate_config(hidden_act="gelu"), r"hidden_act 'gelu' is not supported; supported: 'silu'"),
     "rope scaling (rope_parameters)": (
         _mutate_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}),
-        r"rope scaling 'linear' is not supported"),
+        r"rope scaling 'linear' is not supported",
+    ),
     "rope scaling (legacy rope_scaling)": (
         _mutate_config(rope_parameters=None, rope_theta=100.0, rope_scaling={"type": "dynamic", "factor": 2.0}),
-        r"rope scaling 'dynamic' is not supported"),
+        r"rope scaling 'dynamic' is not supported",
+    ),
     "attention bias": (_mutate_config(attention_bias=True), r"attention_bias=true is not supported"),
     "decoupled head_dim": (_mutate_config(head_dim=16), r"head_dim 16 != hidden_size/num_attention_heads = 8"),
     "missing width": (_mutate_config(hidden_size=None), r"missing 'hidden_size'"),
@@ -346,10 +388,17 @@ def bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world, hello tokens",
-                             "export to ONNX and check 123 456"] * 20, trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens", "export to ONNX and check 123 456"]
+        * 20,
+        trainer,
+    )
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     tokens = [None] * len(vocab)
@@ -377,10 +426,17 @@ def dequantize_q8_0(raw: np.ndarray, shape) -> np.ndarray:
     return (scale * quants).reshape(rows, cols)
 
 
-GGUF_LAYER = (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-              ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-              ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
-              ("ffn_down", "mlp.down_proj"))
+GGUF_LAYER = (
+    ("attn_norm", "input_layernorm"),
+    ("attn_q", "self_attn.q_proj"),
+    ("attn_k", "self_attn.k_proj"),
+    ("attn_v", "self_attn.v_proj"),
+    ("attn_output", "self_attn.o_proj"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("ffn_gate", "mlp.gate_proj"),
+    ("ffn_up", "mlp.up_proj"),
+    ("ffn_down", "mlp.down_proj"),
+)
 
 
 def gguf_tensors(hf, *, permute=True) -> dict[str, np.ndarray]:
@@ -401,8 +457,21 @@ def gguf_tensors(hf, *, permute=True) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path: Path, hf, bpe, *, qtype=Q.F32, arch="llama", permute=True, types=None, skip=(),
-               skip_meta=(), tokenizer=True, vocab_size=None, hook=None) -> dict[str, np.ndarray]:
+def write_gguf(
+    path: Path,
+    hf,
+    bpe,
+    *,
+    qtype=Q.F32,
+    arch="llama",
+    permute=True,
+    types=None,
+    skip=(),
+    skip_meta=(),
+    tokenizer=True,
+    vocab_size=None,
+    hook=None,
+) -> dict[str, np.ndarray]:
     """Write `hf` as a llama.cpp-style GGUF; 2-D tensors stored as `qtype` (or types[name]).
 
     Returns the raw arrays written, by name (quantized ones as their bytes)."""
@@ -552,8 +621,9 @@ def test_gguf_unsupported_architecture(tmp_path, bpe):
 def test_gguf_unsupported_tensor_type(tmp_path, bpe):
     path = tmp_path / "q5.gguf"
     write_gguf(path, gguf_llama(bpe), bpe, types={"blk.1.attn_v.weight": Q.Q5_0})
-    with pytest.raises(ModelFileError,
-                       match=r"tensor 'blk\.1\.attn_v\.weight' has type Q5_0; supported: F32, F16, Q8_0, Q4_0, Q4_1"):
+    with pytest.raises(
+        ModelFileError, match=r"tensor 'blk\.1\.attn_v\.weight' has type Q5_0; supported: F32, F16, Q8_0, Q4_0, Q4_1"
+    ):
         import_checkpoint(path)
 
 
@@ -614,8 +684,10 @@ def test_non_finite_weights_are_refused_naming_the_weight(tmp_path, bpe, value):
     with torch.no_grad():
         hf.model.layers[0].self_attn.v_proj.weight[1, 2] = value
         hf.model.layers[0].self_attn.v_proj.weight[3, 0] = value
-    expected = (r"weight 'block\.0\.attention\.v_proj\.weight' holds 2 non-finite value\(s\) \(NaN/Inf\); "
-                r"the checkpoint is corrupt")
+    expected = (
+        r"weight 'block\.0\.attention\.v_proj\.weight' holds 2 non-finite value\(s\) \(NaN/Inf\); "
+        r"the checkpoint is corrupt"
+    )
     write_gguf(tmp_path / "model.gguf", hf, bpe)
     with pytest.raises(ModelFileError, match=expected):
         import_checkpoint(tmp_path / "model.gguf")

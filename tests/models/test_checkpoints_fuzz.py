@@ -14,14 +14,21 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf", reason="gguf is needed to write GGUF test files")
 
-from models.checkpoints import import_checkpoint  # noqa: E402
 from artifact.errors import ModelFileError  # noqa: E402
+from models.checkpoints import import_checkpoint  # noqa: E402
 
 CASES = 2000
-SETTINGS = settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
-LLAMA = {"model_type": "llama", "vocab_size": 8, "hidden_size": 4, "num_attention_heads": 2, "num_hidden_layers": 1,
-         "intermediate_size": 8}
+SETTINGS = settings(
+    max_examples=CASES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 8,
+    "hidden_size": 4,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "intermediate_size": 8,
+}
 INTERESTING = [0, 1, 2, 7, 8, 31, 32, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
 
 
@@ -37,13 +44,13 @@ def mutated(draw, valid: bytes) -> bytes:
         elif kind in ("u64", "u32"):
             width = 8 if kind == "u64" else 4
             value = draw(st.sampled_from(INTERESTING)) % (1 << (8 * width))
-            data[at:at + width] = value.to_bytes(width, "little")
+            data[at : at + width] = value.to_bytes(width, "little")
         elif kind == "truncate":
             del data[at:]
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=16))
         elif kind == "delete":
-            del data[at:at + draw(st.integers(1, 16))]
+            del data[at : at + draw(st.integers(1, 16))]
     return bytes(data)
 
 
@@ -60,10 +67,15 @@ def expect_only_toolkit_errors(call, path) -> str:
 
 
 def valid_safetensors() -> bytes:
-    header = {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
-              "b": {"dtype": "F16", "shape": [3], "data_offsets": [16, 22]}, "__metadata__": {"format": "pt"}}
+    header = {
+        "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        "b": {"dtype": "F16", "shape": [3], "data_offsets": [16, 22]},
+        "__metadata__": {"format": "pt"},
+    }
     raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + np.arange(4, dtype=np.float32).tobytes() + np.ones(3, np.float16).tobytes()
+    return (
+        struct.pack("<Q", len(raw)) + raw + np.arange(4, dtype=np.float32).tobytes() + np.ones(3, np.float16).tobytes()
+    )
 
 
 @st.composite
@@ -74,8 +86,17 @@ def drawn_safetensors(draw) -> bytes:
         dtype = draw(st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "Q4", "", 7]))
         shape = draw(st.lists(st.integers(-1, 5) | st.sampled_from(INTERESTING), max_size=3))
         begin = draw(st.sampled_from([cursor, cursor + 1, 0, -4]) | st.integers(0, 64))
-        end = draw(st.sampled_from([begin + 4 * int(np.prod(shape or [1])) if all(
-            isinstance(d, int) and 0 <= d < 100 for d in shape) else begin, begin - 1]) | st.integers(0, 128))
+        end = draw(
+            st.sampled_from(
+                [
+                    begin + 4 * int(np.prod(shape or [1]))
+                    if all(isinstance(d, int) and 0 <= d < 100 for d in shape)
+                    else begin,
+                    begin - 1,
+                ]
+            )
+            | st.integers(0, 128)
+        )
         header[f"t{i}"] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
         cursor = max(cursor, end if isinstance(end, int) else 0)
     raw = json.dumps(header).encode()
@@ -98,7 +119,9 @@ def test_fuzz_safetensors_import(tmp_path, fuzz_summary):
         counts[expect_only_toolkit_errors(lambda: import_checkpoint(directory), path)] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of models.checkpoints safetensors import ({counts['refused']} refused)")
+    fuzz_summary(
+        f"fuzzed {counts['cases']} cases of models.checkpoints safetensors import ({counts['refused']} refused)"
+    )
     assert counts["cases"] >= CASES
 
 
@@ -124,17 +147,28 @@ def valid_gguf(tmp_path) -> bytes:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab)
     rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (vocab, width), "blk.0.attn_norm.weight": (width,),
-              "blk.0.attn_q.weight": (width, width), "blk.0.attn_k.weight": (width, width),
-              "blk.0.attn_v.weight": (width, width), "blk.0.attn_output.weight": (width, width),
-              "blk.0.ffn_norm.weight": (width,), "blk.0.ffn_gate.weight": (ff, width),
-              "blk.0.ffn_up.weight": (ff, width), "blk.0.ffn_down.weight": (width, ff),
-              "output_norm.weight": (width,), "output.weight": (vocab, width)}
+    shapes = {
+        "token_embd.weight": (vocab, width),
+        "blk.0.attn_norm.weight": (width,),
+        "blk.0.attn_q.weight": (width, width),
+        "blk.0.attn_k.weight": (width, width),
+        "blk.0.attn_v.weight": (width, width),
+        "blk.0.attn_output.weight": (width, width),
+        "blk.0.ffn_norm.weight": (width,),
+        "blk.0.ffn_gate.weight": (ff, width),
+        "blk.0.ffn_up.weight": (ff, width),
+        "blk.0.ffn_down.weight": (width, ff),
+        "output_norm.weight": (width,),
+        "output.weight": (vocab, width),
+    }
     for name, shape in shapes.items():
         array = rng.standard_normal(shape).astype(np.float32)
         if array.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                name,
+                gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -164,8 +198,12 @@ def drawn_gguf(draw) -> bytes:
         dims = draw(st.lists(st.sampled_from([1, 2, 8, 32, 2**32, 2**63]), max_size=5))
         kind = draw(st.sampled_from([0, 1, 8, 2, 6, 99]))
         offset = draw(st.sampled_from([0, 32, 64, 4, 2**63]))
-        tensors.append(gstr(f"t{i}".encode()) + struct.pack("<I", len(dims)) +
-                       b"".join(struct.pack("<Q", d % 2**64) for d in dims) + struct.pack("<IQ", kind, offset))
+        tensors.append(
+            gstr(f"t{i}".encode())
+            + struct.pack("<I", len(dims))
+            + b"".join(struct.pack("<Q", d % 2**64) for d in dims)
+            + struct.pack("<IQ", kind, offset)
+        )
     n_tensors = draw(st.sampled_from([len(tensors)] * 4 + INTERESTING))
     n_kv = draw(st.sampled_from([len(kvs)] * 4 + INTERESTING))
     version = draw(st.sampled_from([3, 3, 3, 2, 1, 4, 3 << 24]))
@@ -188,7 +226,9 @@ def test_fuzz_gguf_import(tmp_path, fuzz_summary):
         counts[expect_only_toolkit_errors(lambda: import_checkpoint(path), path)] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of models.checkpoints GGUF import ({counts['imported']} imported, "
-                 f"{counts['refused']} refused)")
+    fuzz_summary(
+        f"fuzzed {counts['cases']} cases of models.checkpoints GGUF import ({counts['imported']} imported, "
+        f"{counts['refused']} refused)"
+    )
     assert counts["imported"] > 0, "no mutation reached the tensors"
     assert counts["cases"] >= CASES

@@ -14,8 +14,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="gguf is needed to write GGUF test files")
 
-from models.checkpoints import check_gguf_header, import_checkpoint  # noqa: E402
 from artifact.errors import ModelFileError  # noqa: E402
+from models.checkpoints import check_gguf_header, import_checkpoint  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 V = gguf.GGUFValueType
@@ -62,8 +62,19 @@ def write(path: Path, build) -> Path:
 
 def every_value_type(writer) -> None:
     rng = np.random.default_rng(0)
-    scalars = {V.UINT8: 255, V.INT8: -128, V.UINT16: 65535, V.INT16: -32768, V.UINT32: 2**32 - 1, V.INT32: -2**31,
-               V.FLOAT32: 0.1, V.UINT64: 2**64 - 1, V.INT64: -2**63, V.FLOAT64: 0.1, V.BOOL: True}
+    scalars = {
+        V.UINT8: 255,
+        V.INT8: -128,
+        V.UINT16: 65535,
+        V.INT16: -32768,
+        V.UINT32: 2**32 - 1,
+        V.INT32: -(2**31),
+        V.FLOAT32: 0.1,
+        V.UINT64: 2**64 - 1,
+        V.INT64: -(2**63),
+        V.FLOAT64: 0.1,
+        V.BOOL: True,
+    }
     for kind, value in scalars.items():
         writer.add_key_value(f"scalar.{kind.name}", value, kind)
     writer.add_key_value("scalar.false", False, V.BOOL)
@@ -118,7 +129,12 @@ def kv(key: bytes, kind: int, payload: bytes) -> bytes:
 
 
 def tensor_info(name: bytes, dims, kind: int = 0, offset: int = 0) -> bytes:
-    return gstr(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", kind, offset)
+    return (
+        gstr(name)
+        + struct.pack("<I", len(dims))
+        + struct.pack(f"<{len(dims)}Q", *dims)
+        + struct.pack("<IQ", kind, offset)
+    )
 
 
 def gguf_bytes(kvs=(), tensors=(), data=b"") -> bytes:
@@ -131,9 +147,16 @@ ARCH = kv(b"general.architecture", 8, gstr(b"llama"))
 
 def test_values_that_are_not_utf8_are_left_out_as_before(tmp_path):
     path = tmp_path / "m.gguf"
-    path.write_bytes(gguf_bytes([ARCH, kv(b"bad", 8, gstr(b"\xff\xfe")),
-                                 kv(b"bad list", 9, struct.pack("<IQ", 8, 2) + gstr(b"ok") + gstr(b"\xc3")),
-                                 kv(b"good", 4, struct.pack("<I", 7))]))
+    path.write_bytes(
+        gguf_bytes(
+            [
+                ARCH,
+                kv(b"bad", 8, gstr(b"\xff\xfe")),
+                kv(b"bad list", 9, struct.pack("<IQ", 8, 2) + gstr(b"ok") + gstr(b"\xc3")),
+                kv(b"good", 4, struct.pack("<I", 7)),
+            ]
+        )
+    )
     assert_same_as_the_reader(path)
     fields = check_gguf_header(path).fields
     assert "bad" not in fields and "bad list" not in fields and fields["good"] == 7
@@ -141,17 +164,25 @@ def test_values_that_are_not_utf8_are_left_out_as_before(tmp_path):
 
 def test_a_bool_byte_other_than_0_or_1_reads_as_the_reader_reads_it(tmp_path):
     path = tmp_path / "m.gguf"
-    path.write_bytes(gguf_bytes([ARCH, kv(b"flag", 7, b"\x02"), kv(b"flags", 9, struct.pack("<IQ", 7, 2) + b"\x00\x05")]))
+    path.write_bytes(
+        gguf_bytes([ARCH, kv(b"flag", 7, b"\x02"), kv(b"flags", 9, struct.pack("<IQ", 7, 2) + b"\x00\x05")])
+    )
     assert_same_as_the_reader(path)
 
 
 REFUSED = {
     "duplicate key": ([ARCH, kv(b"x", 4, b"\0" * 4), kv(b"x", 4, b"\0" * 4)], [], r"metadata key 'x' appears twice"),
-    "a key named like the header's own fields": ([ARCH, kv(b"GGUF.version", 4, b"\0" * 4)], [],
-                                                 r"metadata key 'GGUF\.version' appears twice"),
+    "a key named like the header's own fields": (
+        [ARCH, kv(b"GGUF.version", 4, b"\0" * 4)],
+        [],
+        r"metadata key 'GGUF\.version' appears twice",
+    ),
     "key not UTF-8": ([ARCH, kv(b"\xff", 4, b"\0" * 4)], [], r"metadata key #1 b'\\xff' is not UTF-8"),
-    "duplicate tensor": ([ARCH], [tensor_info(b"w", [8]), tensor_info(b"w", [8], offset=32)],
-                         r"tensor 'w' appears twice"),
+    "duplicate tensor": (
+        [ARCH],
+        [tensor_info(b"w", [8]), tensor_info(b"w", [8], offset=32)],
+        r"tensor 'w' appears twice",
+    ),
     "tensor name not UTF-8": ([ARCH], [tensor_info(b"\xfe", [8])], r"tensor #0 name b'\\xfe' is not UTF-8"),
 }
 
@@ -172,7 +203,7 @@ def test_files_the_library_reader_refuses_are_refused_in_one_line(tmp_path, case
 def test_regrouped_dequantization_is_bitwise_the_library_s(tmp_path, monkeypatch, row_bytes):
     """Rows are regrouped before gguf dequantizes them; every value must come out bit for bit as
     gguf.quants.dequantize gives it on the tensor as stored (row counts chosen not to divide evenly)."""
-    from models import checkpoints
+    from models.checkpoints import gguf_import as checkpoints
 
     if row_bytes is not None:
         monkeypatch.setattr(checkpoints, "GGUF_DEQUANTIZE_ROW_BYTES", row_bytes)

@@ -16,12 +16,23 @@ import pytest
 
 gguf = pytest.importorskip("gguf", reason="gguf is needed to write GGUF test files")
 
-from models import checkpoints  # noqa: E402
-from models.checkpoints import check_gguf_header, check_safetensors_header, import_checkpoint  # noqa: E402
 from artifact.errors import ModelFileError  # noqa: E402
+from models.checkpoints import (  # noqa: E402
+    check_gguf_header,
+    check_safetensors_header,
+    gguf_import,
+    gguf_reader,
+    import_checkpoint,
+)
 
-LLAMA = {"model_type": "llama", "vocab_size": 8, "hidden_size": 4, "num_attention_heads": 2, "num_hidden_layers": 1,
-         "intermediate_size": 8}
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 8,
+    "hidden_size": 4,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "intermediate_size": 8,
+}
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -56,25 +67,41 @@ SAFETENSORS = {
     "empty file": (b"", r"truncated: 0 bytes"),
     "short length": (b"\x01\x02\x03", r"truncated: 3 bytes"),
     "absurd header length": (safetensors_bytes({}, length=2**63), r"header length 9,223,372,036,854,775,808 is above"),
-    "header past the end": (safetensors_bytes({"w": F32}, b"\0" * 8, length=10_000),
-                            r"header length 10,000 runs past the end"),
+    "header past the end": (
+        safetensors_bytes({"w": F32}, b"\0" * 8, length=10_000),
+        r"header length 10,000 runs past the end",
+    ),
     "header not JSON": (safetensors_bytes(b"{not json"), r"header is not JSON"),
     "header not UTF-8": (safetensors_bytes(b"\xff\xfe"), r"header is not JSON"),
     "header not an object": (safetensors_bytes([1, 2]), r"header is not a JSON object"),
-    "unknown dtype": (safetensors_bytes({"w": dict(F32, dtype="F8_E4M3")}, b"\0" * 8),
-                      r"tensor 'w': dtype 'F8_E4M3' is not supported; supported: F64, F32"),
-    "shape vs bytes": (safetensors_bytes({"w": dict(F32, shape=[3])}, b"\0" * 8),
-                       r"tensor 'w': shape \(3,\) of F32 needs 12 bytes but data_offsets \[0, 8\) hold 8"),
-    "huge shape": (safetensors_bytes({"w": dict(F32, shape=[2**40, 2**40])}, b"\0" * 8),
-                   r"shape \(1099511627776, 1099511627776\) of F32 needs"),
-    "offsets past the end": (safetensors_bytes({"w": dict(F32, data_offsets=[8, 16])}, b"\0" * 8),
-                             r"data_offsets \[8, 16\) run past the end of the data \(8 bytes\)"),
-    "negative offset": (safetensors_bytes({"w": dict(F32, data_offsets=[-8, 0])}, b"\0" * 8),
-                        r"data_offsets \[-8, 0\] are not \[begin, end\]"),
-    "reversed offsets": (safetensors_bytes({"w": dict(F32, data_offsets=[8, 0])}, b"\0" * 8),
-                         r"data_offsets \[8, 0\] are not \[begin, end\]"),
-    "overlap": (safetensors_bytes({"a": F32, "b": dict(F32, data_offsets=[4, 12])}, b"\0" * 12),
-                r"tensors 'a' and 'b' overlap \(bytes from 4 to 8\)"),
+    "unknown dtype": (
+        safetensors_bytes({"w": dict(F32, dtype="F8_E4M3")}, b"\0" * 8),
+        r"tensor 'w': dtype 'F8_E4M3' is not supported; supported: F64, F32",
+    ),
+    "shape vs bytes": (
+        safetensors_bytes({"w": dict(F32, shape=[3])}, b"\0" * 8),
+        r"tensor 'w': shape \(3,\) of F32 needs 12 bytes but data_offsets \[0, 8\) hold 8",
+    ),
+    "huge shape": (
+        safetensors_bytes({"w": dict(F32, shape=[2**40, 2**40])}, b"\0" * 8),
+        r"shape \(1099511627776, 1099511627776\) of F32 needs",
+    ),
+    "offsets past the end": (
+        safetensors_bytes({"w": dict(F32, data_offsets=[8, 16])}, b"\0" * 8),
+        r"data_offsets \[8, 16\) run past the end of the data \(8 bytes\)",
+    ),
+    "negative offset": (
+        safetensors_bytes({"w": dict(F32, data_offsets=[-8, 0])}, b"\0" * 8),
+        r"data_offsets \[-8, 0\] are not \[begin, end\]",
+    ),
+    "reversed offsets": (
+        safetensors_bytes({"w": dict(F32, data_offsets=[8, 0])}, b"\0" * 8),
+        r"data_offsets \[8, 0\] are not \[begin, end\]",
+    ),
+    "overlap": (
+        safetensors_bytes({"a": F32, "b": dict(F32, data_offsets=[4, 12])}, b"\0" * 12),
+        r"tensors 'a' and 'b' overlap \(bytes from 4 to 8\)",
+    ),
     "shape not a list": (safetensors_bytes({"w": dict(F32, shape="2")}, b"\0" * 8), r"shape '2' is not a list"),
     "bool in shape": (safetensors_bytes({"w": dict(F32, shape=[True, 2])}, b"\0" * 8), r"shape \[True, 2\] is not"),
     "bad metadata": (safetensors_bytes({"__metadata__": {"k": 1}}), r"__metadata__ must map strings to strings"),
@@ -102,12 +129,15 @@ def test_the_library_still_guards_what_the_header_check_does_not(tmp_path):
         import_checkpoint(hf_dir(tmp_path, content))
 
 
-@pytest.mark.parametrize("index,pattern", [
-    ({"weight_map": {"a": 3}}, r"'weight_map' must map tensor names to shard file names"),
-    ({"weight_map": ["x"]}, r"'weight_map' must map"),
-    ({"no": 1}, r"invalid shard index \(KeyError"),
-    ({"weight_map": {"a": "model-2.safetensors"}}, r"shard 'model-2\.safetensors' is listed but not in"),
-])
+@pytest.mark.parametrize(
+    "index,pattern",
+    [
+        ({"weight_map": {"a": 3}}, r"'weight_map' must map tensor names to shard file names"),
+        ({"weight_map": ["x"]}, r"'weight_map' must map"),
+        ({"no": 1}, r"invalid shard index \(KeyError"),
+        ({"weight_map": {"a": "model-2.safetensors"}}, r"shard 'model-2\.safetensors' is listed but not in"),
+    ],
+)
 def test_malformed_shard_index(tmp_path, index, pattern):
     directory = hf_dir(tmp_path, safetensors_bytes({}))
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -130,13 +160,19 @@ def kv(key: str, kind: int, payload: bytes) -> bytes:
 
 
 def tensor_info(name: str, dims, kind: int = 0, offset: int = 0) -> bytes:
-    return gstr(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", kind, offset)
+    return (
+        gstr(name)
+        + struct.pack("<I", len(dims))
+        + struct.pack(f"<{len(dims)}Q", *dims)
+        + struct.pack("<IQ", kind, offset)
+    )
 
 
 def gguf_bytes(kvs=(), tensors=(), data=b"", *, version=3, n_tensors=None, n_kv=None, alignment=32) -> bytes:
     """GGUF per the spec: magic, version, counts, metadata, tensor infos, padding to `alignment`, data."""
-    head = b"GGUF" + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
-                                 len(kvs) if n_kv is None else n_kv)
+    head = b"GGUF" + struct.pack(
+        "<IQQ", version, len(tensors) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv
+    )
     body = head + b"".join(kvs) + b"".join(tensors)
     return body + b"\0" * (-len(body) % alignment) + data
 
@@ -160,8 +196,11 @@ def test_a_library_written_gguf_passes(tmp_path):
     writer.add_block_count(1)
     writer.add_token_list(["a", "b", "c"])
     writer.add_tensor("w", np.ones((4, 32), np.float32))
-    writer.add_tensor("q", gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0),
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "q",
+        gguf.quants.quantize(np.ones((2, 64), np.float32), gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -177,31 +216,54 @@ GGUF = {
     "absurd tensor count": (gguf_bytes([ARCH], n_tensors=2**60), r"header counts \(1,152,921,504,606,846,976 tensors"),
     "absurd metadata count": (gguf_bytes([ARCH], n_kv=2**40), r"metadata entries\) cannot fit"),
     "metadata count past the entries": (gguf_bytes([ARCH], n_kv=2, alignment=1), r"truncated: metadata key #1 length"),
-    "huge string": (gguf_bytes([kv("general.architecture", STRING, struct.pack("<Q", 2**62) + b"llama")]),
-                    r"metadata 'general\.architecture' of 4,611,686,018,427,387,904 bytes .* runs past the end"),
-    "huge scalar array": (gguf_bytes([ARCH, kv("x", ARRAY, struct.pack("<IQ", 0, 2**62))]),
-                          r"metadata 'x': 4,611,686,018,427,387,904 items of 1 bytes run past the end"),
-    "huge string array": (gguf_bytes([ARCH, kv("x", ARRAY, struct.pack("<IQ", STRING, 2**40))]),
-                          r"metadata 'x': 1,099,511,627,776 strings cannot fit"),
-    "nested array": (gguf_bytes([ARCH, kv("x", ARRAY, struct.pack("<IQ", ARRAY, 1))]),
-                     r"array item type 9 is not supported"),
+    "huge string": (
+        gguf_bytes([kv("general.architecture", STRING, struct.pack("<Q", 2**62) + b"llama")]),
+        r"metadata 'general\.architecture' of 4,611,686,018,427,387,904 bytes .* runs past the end",
+    ),
+    "huge scalar array": (
+        gguf_bytes([ARCH, kv("x", ARRAY, struct.pack("<IQ", 0, 2**62))]),
+        r"metadata 'x': 4,611,686,018,427,387,904 items of 1 bytes run past the end",
+    ),
+    "huge string array": (
+        gguf_bytes([ARCH, kv("x", ARRAY, struct.pack("<IQ", STRING, 2**40))]),
+        r"metadata 'x': 1,099,511,627,776 strings cannot fit",
+    ),
+    "nested array": (
+        gguf_bytes([ARCH, kv("x", ARRAY, struct.pack("<IQ", ARRAY, 1))]),
+        r"array item type 9 is not supported",
+    ),
     "unknown value type": (gguf_bytes([kv("x", 13, b"\0" * 8)]), r"metadata 'x': value type 13 is not supported"),
     "bad alignment": (gguf_bytes([kv("general.alignment", U32, struct.pack("<I", 3))]), r"general\.alignment 3 is not"),
     "rank 0": (gguf_bytes([ARCH], [tensor_info("w", [])]), r"tensor 'w' has rank 0; GGUF allows 1\.\.4"),
     "rank 5": (gguf_bytes([ARCH], [tensor_info("w", [1] * 5)]), r"tensor 'w' has rank 5"),
-    "unknown tensor type": (gguf_bytes([ARCH], [tensor_info("w", [8], 99)], b"\0" * 32),
-                            r"tensor 'w' has unknown tensor type 99"),
-    "huge dims": (gguf_bytes([ARCH], [tensor_info("w", [2**32, 2**32])], b"\0" * 32),
-                  r"tensor 'w' \(4294967296, 4294967296\) needs bytes \[0, 73,786,976,294,838,206,464\) of a 32-byte"),
-    "data past the end": (gguf_bytes([ARCH], [ONE_F32], b"\0" * 16), r"tensor 'w' \(8,\) needs bytes \[0, 32\) of a 16"),
-    "offset past the end": (gguf_bytes([ARCH], [tensor_info("w", [8], 0, 64)], b"\0" * 32),
-                            r"needs bytes \[64, 96\) of a 32-byte data section"),
-    "misaligned offset": (gguf_bytes([ARCH], [tensor_info("w", [2], 0, 4)], b"\0" * 32),
-                          r"tensor 'w' data offset 4 is not a multiple of the alignment 32"),
-    "overlap": (gguf_bytes([ARCH], [ONE_F32, tensor_info("v", [16], 0, 0)], b"\0" * 64),
-                r"tensor 'w' and tensor 'v' overlap|tensor 'v' and tensor 'w' overlap"),
-    "partial Q8_0 block": (gguf_bytes([ARCH], [tensor_info("w", [31], 8)], b"\0" * 64),
-                           r"tensor 'w' shape \(31,\) is not a whole number of 32-value blocks"),
+    "unknown tensor type": (
+        gguf_bytes([ARCH], [tensor_info("w", [8], 99)], b"\0" * 32),
+        r"tensor 'w' has unknown tensor type 99",
+    ),
+    "huge dims": (
+        gguf_bytes([ARCH], [tensor_info("w", [2**32, 2**32])], b"\0" * 32),
+        r"tensor 'w' \(4294967296, 4294967296\) needs bytes \[0, 73,786,976,294,838,206,464\) of a 32-byte",
+    ),
+    "data past the end": (
+        gguf_bytes([ARCH], [ONE_F32], b"\0" * 16),
+        r"tensor 'w' \(8,\) needs bytes \[0, 32\) of a 16",
+    ),
+    "offset past the end": (
+        gguf_bytes([ARCH], [tensor_info("w", [8], 0, 64)], b"\0" * 32),
+        r"needs bytes \[64, 96\) of a 32-byte data section",
+    ),
+    "misaligned offset": (
+        gguf_bytes([ARCH], [tensor_info("w", [2], 0, 4)], b"\0" * 32),
+        r"tensor 'w' data offset 4 is not a multiple of the alignment 32",
+    ),
+    "overlap": (
+        gguf_bytes([ARCH], [ONE_F32, tensor_info("v", [16], 0, 0)], b"\0" * 64),
+        r"tensor 'w' and tensor 'v' overlap|tensor 'v' and tensor 'w' overlap",
+    ),
+    "partial Q8_0 block": (
+        gguf_bytes([ARCH], [tensor_info("w", [31], 8)], b"\0" * 64),
+        r"tensor 'w' shape \(31,\) is not a whole number of 32-value blocks",
+    ),
     "truncated tensor info": (gguf_bytes([ARCH], [ONE_F32[:-6]]), r"truncated: tensor 'w' offset"),
 }
 
@@ -212,7 +274,7 @@ def test_lying_gguf_headers_are_refused_before_the_library(tmp_path, monkeypatch
         raise AssertionError("a file the header walk should have refused was parsed or mapped")
 
     monkeypatch.setattr(gguf, "GGUFReader", refuse)
-    monkeypatch.setattr(checkpoints.np, "memmap", refuse)  # nor is any tensor mapped
+    monkeypatch.setattr(gguf_reader.np, "memmap", refuse)  # nor is any tensor mapped
     content, pattern = GGUF[case]
     path = tmp_path / "m.gguf"
     path.write_bytes(content)
@@ -231,15 +293,24 @@ def test_truncated_library_written_gguf(tmp_path, fraction):
     writer.close()
     data = (tmp_path / "w.gguf").read_bytes()
     (tmp_path / "w.gguf").write_bytes(data[: int(len(data) * fraction)])
-    with pytest.raises(ModelFileError, match=r"w\.gguf: not a readable GGUF file \((truncated|.*(run past the end|cannot fit))"):
+    with pytest.raises(
+        ModelFileError, match=r"w\.gguf: not a readable GGUF file \((truncated|.*(run past the end|cannot fit))"
+    ):
         import_checkpoint(tmp_path / "w.gguf")
 
 
 def llama_gguf(tmp_path: Path, **overrides) -> Path:
     """Llama metadata only (the metadata is checked before any tensor is looked for)."""
     writer = gguf.GGUFWriter(str(tmp_path / "meta.gguf"), "llama")
-    values = {"block_count": 1, "embedding_length": 4, "feed_forward_length": 8, "attention.head_count": 2,
-              "attention.layer_norm_rms_epsilon": 1e-5, "vocab_size": 8, **overrides}
+    values = {
+        "block_count": 1,
+        "embedding_length": 4,
+        "feed_forward_length": 8,
+        "attention.head_count": 2,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "vocab_size": 8,
+        **overrides,
+    }
     for key, value in values.items():
         add = {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32}[type(value)]
         add(f"llama.{key}", value)
@@ -250,43 +321,56 @@ def llama_gguf(tmp_path: Path, **overrides) -> Path:
     return tmp_path / "meta.gguf"
 
 
-@pytest.mark.parametrize("key,value,pattern", [
-    ("block_count", "two", r"llama\.block_count is 'two'; expected an integer"),
-    ("attention.head_count", 2.5, r"llama\.attention\.head_count is 2\.5; expected an integer"),
-    ("attention.layer_norm_rms_epsilon", "tiny", r"layer_norm_rms_epsilon is 'tiny'; expected a finite number"),
-    ("attention.layer_norm_rms_epsilon", float("nan"), r"layer_norm_rms_epsilon is nan; expected a finite number"),
-    ("embedding_length", 5, r"LlamaConfig"),  # the config's own check: width not divisible by heads
-])
+@pytest.mark.parametrize(
+    "key,value,pattern",
+    [
+        ("block_count", "two", r"llama\.block_count is 'two'; expected an integer"),
+        ("attention.head_count", 2.5, r"llama\.attention\.head_count is 2\.5; expected an integer"),
+        ("attention.layer_norm_rms_epsilon", "tiny", r"layer_norm_rms_epsilon is 'tiny'; expected a finite number"),
+        ("attention.layer_norm_rms_epsilon", float("nan"), r"layer_norm_rms_epsilon is nan; expected a finite number"),
+        ("embedding_length", 5, r"LlamaConfig"),  # the config's own check: width not divisible by heads
+    ],
+)
 def test_gguf_metadata_of_the_wrong_type(tmp_path, key, value, pattern):
     with pytest.raises(ModelFileError, match=r"meta\.gguf: .*" + pattern):
         import_checkpoint(llama_gguf(tmp_path, **{key: value}))
 
 
 def test_gguf_metadata_passes_to_the_tensor_stage(tmp_path):
-    with pytest.raises(ModelFileError, match=r"meta\.gguf: missing tensor 'token_embd\.weight' \(expected shape \(8, 4\)\)"):
+    with pytest.raises(
+        ModelFileError, match=r"meta\.gguf: missing tensor 'token_embd\.weight' \(expected shape \(8, 4\)\)"
+    ):
         import_checkpoint(llama_gguf(tmp_path))
 
 
-TOKENIZER = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
-             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1],
-             "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1}
+TOKENIZER = {
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.tokens": ["a", "b", "ab"],
+    "tokenizer.ggml.merges": ["a b"],
+    "tokenizer.ggml.token_type": [1, 1, 1],
+    "tokenizer.ggml.bos_token_id": 0,
+    "tokenizer.ggml.eos_token_id": 1,
+}
 
 
 def test_well_formed_gguf_tokenizer_metadata_builds(tmp_path):
-    tokenizer = checkpoints._gguf_tokenizer(dict(TOKENIZER), 3, tmp_path / "t.gguf")
+    tokenizer = gguf_import._gguf_tokenizer(dict(TOKENIZER), 3, tmp_path / "t.gguf")
     assert tokenizer.encode("ab") == [2]  # hand-computed: the one merge joins a+b
 
 
-@pytest.mark.parametrize("edit,pattern", [
-    ({"tokenizer.ggml.tokens": ["a", 2, "ab"]}, r"tokens is not a list of strings"),
-    ({"tokenizer.ggml.tokens": ["a", "b"]}, r"tokens has 2 entries but the vocabulary has 3"),
-    ({"tokenizer.ggml.merges": ["ab"]}, r"merges is not a list of 'a b' strings"),
-    ({"tokenizer.ggml.token_type": [1, 1, 1, 3]}, r"token_type is not a list of integers, one per token"),
-    ({"tokenizer.ggml.bos_token_id": 7}, r"bos_token_id 7 is not a token id in \[0, 3\)"),
-    ({"tokenizer.ggml.eos_token_id": "x"}, r"eos_token_id 'x' is not a token id"),
-    ({"tokenizer.chat_template": ["x"]}, r"chat_template is not a string"),
-    ({"tokenizer.ggml.model": "llama"}, r"GGUF tokenizer model 'llama' is not supported"),
-])
+@pytest.mark.parametrize(
+    "edit,pattern",
+    [
+        ({"tokenizer.ggml.tokens": ["a", 2, "ab"]}, r"tokens is not a list of strings"),
+        ({"tokenizer.ggml.tokens": ["a", "b"]}, r"tokens has 2 entries but the vocabulary has 3"),
+        ({"tokenizer.ggml.merges": ["ab"]}, r"merges is not a list of 'a b' strings"),
+        ({"tokenizer.ggml.token_type": [1, 1, 1, 3]}, r"token_type is not a list of integers, one per token"),
+        ({"tokenizer.ggml.bos_token_id": 7}, r"bos_token_id 7 is not a token id in \[0, 3\)"),
+        ({"tokenizer.ggml.eos_token_id": "x"}, r"eos_token_id 'x' is not a token id"),
+        ({"tokenizer.chat_template": ["x"]}, r"chat_template is not a string"),
+        ({"tokenizer.ggml.model": "llama"}, r"GGUF tokenizer model 'llama' is not supported"),
+    ],
+)
 def test_malformed_gguf_tokenizer_metadata(tmp_path, edit, pattern):
     with pytest.raises(ModelFileError, match=r"t\.gguf: .*" + pattern):
-        checkpoints._gguf_tokenizer({**TOKENIZER, **edit}, 3, tmp_path / "t.gguf")
+        gguf_import._gguf_tokenizer({**TOKENIZER, **edit}, 3, tmp_path / "t.gguf")

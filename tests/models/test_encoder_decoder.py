@@ -23,13 +23,13 @@ import torch.nn as nn
 from onnx import numpy_helper
 
 import models.registry as registry
+from artifact.errors import ConfigError, InputError
 from exporters.onnx_export import export_model
 from models.encoder_decoder import EncoderDecoder, EncoderDecoderBlock, EncoderDecoderConfig
 from models.layers import sinusoidal_table
+from models.presets import get_preset
 from models.registry import build_model, encoder_decoder_formula, get_family, initialize
 from toolkit.check.crosscheck import cross_check
-from models.presets import get_preset
-from artifact.errors import ConfigError, InputError
 
 BACKENDS = ["eager", "ort-cpu", "onnx-reference"]
 PRE = ("attention_norm", "attention_weights", "attention_branch", "after_attention")
@@ -86,12 +86,20 @@ def test_stage_names_in_computation_order(placement, sub):
     config = _cfg(norm_placement=placement, encoder_layers=1, decoder_layers=1)
     with torch.no_grad():
         stages = _model(config)(_ids(1, 4, 20, 0), _ids(1, 3, 20, 1))
-    ff = ("feed_forward_norm", "feed_forward_branch", "output") if placement == "pre" else \
-        ("feed_forward_branch", "feed_forward_norm", "output")
+    ff = (
+        ("feed_forward_norm", "feed_forward_branch", "output")
+        if placement == "pre"
+        else ("feed_forward_branch", "feed_forward_norm", "output")
+    )
     cross = tuple(s.replace("attention", "cross_attention") for s in sub)
     assert tuple(stages) == (
-        "encoder.embed_tokens", *(f"encoder.block.0.{s}" for s in sub + ff), "encoder_output",
-        "decoder.embed_tokens", *(f"decoder.block.0.{s}" for s in sub + cross + ff), "decoder.final_norm", "logits",
+        "encoder.embed_tokens",
+        *(f"encoder.block.0.{s}" for s in sub + ff),
+        "encoder_output",
+        "decoder.embed_tokens",
+        *(f"decoder.block.0.{s}" for s in sub + cross + ff),
+        "decoder.final_norm",
+        "logits",
     )
     family = get_family("encoder-decoder")
     assert family.stage_names(config) == tuple(stages)
@@ -100,8 +108,9 @@ def test_stage_names_in_computation_order(placement, sub):
 
 @pytest.mark.parametrize("positions,d", [(32, 16), (7, 6), (50, 512)])
 def test_sinusoidal_table_matches_the_formula(positions, d):
-    np.testing.assert_allclose(sinusoidal_table(positions, d).numpy(), _sinusoid_by_formula(positions, d),
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        sinusoidal_table(positions, d).numpy(), _sinusoid_by_formula(positions, d), rtol=0, atol=1e-12
+    )
 
 
 def test_sinusoidal_positions_are_added_to_the_embedding():
@@ -144,18 +153,27 @@ def _linear_from(ours, theirs: nn.Linear):
 @torch.no_grad()
 def _torch_reference(model: EncoderDecoder):
     c = model.config
-    kw = dict(d_model=c.width, nhead=c.heads, dim_feedforward=c.ff_width, dropout=0.0, activation=c.ffn,
-              layer_norm_eps=c.eps, batch_first=True, norm_first=c.norm_placement == "pre", bias=c.biases,
-              dtype=torch.float64)
+    kw = dict(
+        d_model=c.width,
+        nhead=c.heads,
+        dim_feedforward=c.ff_width,
+        dropout=0.0,
+        activation=c.ffn,
+        layer_norm_eps=c.eps,
+        batch_first=True,
+        norm_first=c.norm_placement == "pre",
+        bias=c.biases,
+        dtype=torch.float64,
+    )
     encoder = nn.ModuleList([nn.TransformerEncoderLayer(**kw) for _ in range(c.encoder_layers)])
     decoder = nn.ModuleList([nn.TransformerDecoderLayer(**kw) for _ in range(c.decoder_layers)])
-    for ours, theirs in zip(model.encoder.block, encoder):
+    for ours, theirs in zip(model.encoder.block, encoder, strict=False):
         _mha_from(ours.attention, theirs.self_attn)
         _norm_from(ours.attention_norm, theirs.norm1)
         _norm_from(ours.feed_forward_norm, theirs.norm2)
         _linear_from(ours.feed_forward.up_proj, theirs.linear1)
         _linear_from(ours.feed_forward.down_proj, theirs.linear2)
-    for ours, theirs in zip(model.decoder.block, decoder):
+    for ours, theirs in zip(model.decoder.block, decoder, strict=False):
         _mha_from(ours.attention, theirs.self_attn)
         _mha_from(ours.cross_attention, theirs.multihead_attn)
         _norm_from(ours.attention_norm, theirs.norm1)
@@ -291,7 +309,7 @@ def test_modern_2026_encoder_stack_matches_numpy_formulas():
     x = model.encoder.embed_tokens.weight.detach().numpy()[source.numpy()]  # RoPE: no additive positions
     for i in range(c.encoder_layers):
         prefix = f"encoder.block.{i}."
-        W = {n[len(prefix):]: t.detach().numpy() for n, t in model.state_dict().items() if n.startswith(prefix)}
+        W = {n[len(prefix) :]: t.detach().numpy() for n, t in model.state_dict().items() if n.startswith(prefix)}
         x, _ = _np_modern_encoder_block(x, W, c)
     expected = _np_rms(x, model.encoder.final_norm.weight.detach().numpy(), c.eps)
     np.testing.assert_allclose(encoder_output, expected, rtol=1e-11, atol=1e-12)
@@ -371,8 +389,17 @@ def test_source_longer_than_max_positions_raises_input_error():
 
 
 def test_modern_encoder_block_of_width_512_has_3146240_parameters():
-    config = EncoderDecoderConfig(vocab_size=8, width=512, heads=8, ff_width=4 * 512, norm="rmsnorm", ffn="swiglu",
-                                  positions="rope", norm_placement="pre", biases=False)
+    config = EncoderDecoderConfig(
+        vocab_size=8,
+        width=512,
+        heads=8,
+        ff_width=4 * 512,
+        norm="rmsnorm",
+        ffn="swiglu",
+        positions="rope",
+        norm_placement="pre",
+        biases=False,
+    )
     hidden = round(2 / 3 * 2048)
     assert hidden == 1365
     d = 512
@@ -429,17 +456,20 @@ def test_swiglu_with_biases_is_rejected_naming_biases():
         _cfg(ffn="swiglu", biases=True)
 
 
-@pytest.mark.parametrize("fields,pattern", [
-    (dict(norm="batchnorm"), r"\.norm: expected one of"),
-    (dict(ffn="geglu"), r"\.ffn: expected one of"),
-    (dict(positions="alibi"), r"\.positions: expected one of"),
-    (dict(norm_placement="sandwich"), r"\.norm_placement: expected one of"),
-    (dict(biases=1), r"\.biases: expected true or false"),
-    (dict(width=8, heads=3), r"\.heads: expected a divisor of width"),
-    (dict(width=6, heads=2, positions="rope"), r"\.heads: expected a head count giving an even head width"),
-    (dict(width=9, heads=3), r"\.width: expected an even width"),
-    (dict(encoder_layers=0), r"\.encoder_layers: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    "fields,pattern",
+    [
+        (dict(norm="batchnorm"), r"\.norm: expected one of"),
+        (dict(ffn="geglu"), r"\.ffn: expected one of"),
+        (dict(positions="alibi"), r"\.positions: expected one of"),
+        (dict(norm_placement="sandwich"), r"\.norm_placement: expected one of"),
+        (dict(biases=1), r"\.biases: expected true or false"),
+        (dict(width=8, heads=3), r"\.heads: expected a divisor of width"),
+        (dict(width=6, heads=2, positions="rope"), r"\.heads: expected a head count giving an even head width"),
+        (dict(width=9, heads=3), r"\.width: expected an even width"),
+        (dict(encoder_layers=0), r"\.encoder_layers: expected a positive integer"),
+    ],
+)
 def test_invalid_configs_are_rejected(fields, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _cfg(**fields)
@@ -485,8 +515,10 @@ def test_biases_switch_adds_biases_that_are_used():
     with torch.no_grad():
         y_biased = biased(source, target)["logits"]
         # the bias-free weights plus zero biases must reproduce the bias-free model exactly
-        state = {name: torch.zeros_like(t) if name in extra else free.state_dict()[name]
-                 for name, t in biased.state_dict().items()}
+        state = {
+            name: torch.zeros_like(t) if name in extra else free.state_dict()[name]
+            for name, t in biased.state_dict().items()
+        }
         biased.load_state_dict(state)
         y_zeroed = biased(source, target)["logits"]
         y_free = free(source, target)["logits"]
@@ -501,8 +533,20 @@ def test_biases_switch_adds_biases_that_are_used():
 # the export cost): export_model runs with the family's graph list cut to the encoder, on a model whose
 # decoder is removed, so every exported weight is still covered.
 
-GRAPH_BASE = dict(vocab_size=16, width=8, heads=2, ff_width=16, encoder_layers=1, decoder_layers=1, max_positions=8,
-                  norm="layernorm", ffn="relu", positions="sinusoidal", norm_placement="post", biases=False)
+GRAPH_BASE = dict(
+    vocab_size=16,
+    width=8,
+    heads=2,
+    ff_width=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    max_positions=8,
+    norm="layernorm",
+    ffn="relu",
+    positions="sinusoidal",
+    norm_placement="post",
+    biases=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -600,13 +644,21 @@ def test_cross_check_covers_the_stages_of_both_graphs(exported, preset):
     c = get_preset(preset).config
     report = cross_check(exported(preset), BACKENDS, batch=2, sequence=4)
     sub = POST if c.norm_placement == "post" else PRE
-    ff = ("feed_forward_branch", "feed_forward_norm", "output") if c.norm_placement == "post" else \
-        ("feed_forward_norm", "feed_forward_branch", "output")
+    ff = (
+        ("feed_forward_branch", "feed_forward_norm", "output")
+        if c.norm_placement == "post"
+        else ("feed_forward_norm", "feed_forward_branch", "output")
+    )
     cross = tuple(s.replace("attention", "cross_attention") for s in sub)
-    expected = ["encoder.embed_tokens",
-                *(f"encoder.block.{i}.{s}" for i in range(2) for s in sub + ff), "encoder_output",
-                "decoder.embed_tokens",
-                *(f"decoder.block.{i}.{s}" for i in range(2) for s in sub + cross + ff), "decoder.final_norm", "logits"]
+    expected = [
+        "encoder.embed_tokens",
+        *(f"encoder.block.{i}.{s}" for i in range(2) for s in sub + ff),
+        "encoder_output",
+        "decoder.embed_tokens",
+        *(f"decoder.block.{i}.{s}" for i in range(2) for s in sub + cross + ff),
+        "decoder.final_norm",
+        "logits",
+    ]
     assert report.stages == expected
     assert report.passed, report.first_divergence
     for backend in report.backends:

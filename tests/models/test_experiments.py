@@ -16,12 +16,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from artifact.errors import ToolkitError
 from models.experiments import depth_experiment, render_table
-from toolkit.explain.depth import plot
 from models.llama import LlamaBlock, LlamaConfig
 from models.registry import initialize
 from toolkit.cli import main
-from artifact.errors import ToolkitError
+from toolkit.explain.depth import plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -68,8 +68,9 @@ def test_small_experiment_matches_an_independent_rerun_of_the_blocks():
     layers, width, heads, ff, batch, seq = 3, 8, 2, 12, 2, 5
     result = depth_experiment(layers=layers, width=width, heads=heads, ff_width=ff, batch=batch, sequence=seq, seed=4)
     for placement in ("pre", "post"):
-        config = LlamaConfig(width=width, heads=heads, ff_width=ff, max_positions=seq, norm_placement=placement,
-                               layers=layers)
+        config = LlamaConfig(
+            width=width, heads=heads, ff_width=ff, max_positions=seq, norm_placement=placement, layers=layers
+        )
         generator = torch.Generator().manual_seed(4)
         blocks = torch.nn.ModuleList([LlamaBlock(config) for _ in range(layers)]).double()
         initialize(blocks, generator)

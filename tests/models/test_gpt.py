@@ -16,13 +16,20 @@ import numpy as np
 import pytest
 import torch
 
-from models.gpt import GPT, GPTConfig
-from models.registry import build_model, get_family
-from models.presets import get_preset
 from artifact.errors import ConfigError, InputError
+from models.gpt import GPT, GPTConfig
+from models.presets import get_preset
+from models.registry import build_model, get_family
 
-BLOCK_STAGES = ("attention_norm", "attention_weights", "attention_branch", "after_attention",
-                "feed_forward_norm", "feed_forward_branch", "output")
+BLOCK_STAGES = (
+    "attention_norm",
+    "attention_weights",
+    "attention_branch",
+    "after_attention",
+    "feed_forward_norm",
+    "feed_forward_branch",
+    "output",
+)
 
 
 def _gpt(seed=0, **fields):
@@ -83,9 +90,17 @@ def _np_gpt(ids, W, c):
         hidden = _np_gelu(n_f @ W[p + "feed_forward.up_proj.weight"].T + W[p + "feed_forward.up_proj.bias"])
         ffn = hidden @ W[p + "feed_forward.down_proj.weight"].T + W[p + "feed_forward.down_proj.bias"]
         y = h_ + ffn
-        out.update({p + "attention_norm": n_a, p + "attention_weights": probs, p + "attention_branch": branch,
-                    p + "after_attention": h_, p + "feed_forward_norm": n_f, p + "feed_forward_branch": ffn,
-                    p + "output": y})
+        out.update(
+            {
+                p + "attention_norm": n_a,
+                p + "attention_weights": probs,
+                p + "attention_branch": branch,
+                p + "after_attention": h_,
+                p + "feed_forward_norm": n_f,
+                p + "feed_forward_branch": ffn,
+                p + "output": y,
+            }
+        )
         x = y
     out["final_norm"] = _np_layernorm(x, W["final_norm.weight"], W["final_norm.bias"], c.eps)
     out["logits"] = out["final_norm"] @ W["lm_head.weight"].T
@@ -195,8 +210,10 @@ def test_forward_matches_numpy_float64_oracle_at_every_stage(which):
     if which == "gpt-tiny":
         model, ids = _tiny(seed=3).double(), _ids(2, 7, 290, 1)
     else:
-        model, ids = _gpt(seed=4, vocab_size=13, width=8, heads=2, ff_width=20, context=6, layers=2).double(), \
-            _ids(3, 6, 13, 2)
+        model, ids = (
+            _gpt(seed=4, vocab_size=13, width=8, heads=2, ff_width=20, context=6, layers=2).double(),
+            _ids(3, 6, 13, 2),
+        )
     with torch.no_grad():
         stages = model(ids)
     expected = _np_gpt(ids.numpy(), _weights(model), model.config)

@@ -15,29 +15,72 @@ import numpy as np
 import pytest
 import torch
 
+from artifact.errors import InputError
 from exporters.onnx_export import export_model
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
+from models.presets import get_preset
 from models.registry import build_model
 from runners.decoding.generate import CachedLM
 from runners.registry import create_runner
-from models.presets import get_preset
-from artifact.errors import InputError
 
 # Every attention/norm/RoPE leg: MHA and GQA/MQA, pre and post norm, interleaved and half RoPE, GPT.
 EAGER_CASES = {
-    "mha-interleaved-pre": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, ff_width=24,
-                                                   max_positions=16, rope_base=50.0)),
-    "gqa-interleaved-untied": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, kv_heads=2,
-                                                      ff_width=24, max_positions=16, tie_embeddings=False)),
-    "mqa-half-pre": ("llama", LlamaConfig(vocab_size=40, layers=3, width=24, heads=3, kv_heads=1, ff_width=24,
-                                            max_positions=16, rope_pairing="half", rope_base=30.0)),
-    "gqa-half-post": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, kv_heads=2, ff_width=24,
-                                             max_positions=16, rope_pairing="half", norm_placement="post")),
-    "mha-interleaved-post": ("llama", LlamaConfig(vocab_size=40, layers=2, width=16, heads=2, ff_width=24,
-                                                    max_positions=16, norm_placement="post")),
-    "gpt": ("gpt", GPTConfig(vocab_size=40, width=16, heads=4, ff_width=32, context=16, layers=2,
-                             attention_bias=True, activation="gelu_tanh")),
+    "mha-interleaved-pre": (
+        "llama",
+        LlamaConfig(vocab_size=40, layers=2, width=16, heads=4, ff_width=24, max_positions=16, rope_base=50.0),
+    ),
+    "gqa-interleaved-untied": (
+        "llama",
+        LlamaConfig(
+            vocab_size=40, layers=2, width=16, heads=4, kv_heads=2, ff_width=24, max_positions=16, tie_embeddings=False
+        ),
+    ),
+    "mqa-half-pre": (
+        "llama",
+        LlamaConfig(
+            vocab_size=40,
+            layers=3,
+            width=24,
+            heads=3,
+            kv_heads=1,
+            ff_width=24,
+            max_positions=16,
+            rope_pairing="half",
+            rope_base=30.0,
+        ),
+    ),
+    "gqa-half-post": (
+        "llama",
+        LlamaConfig(
+            vocab_size=40,
+            layers=2,
+            width=16,
+            heads=4,
+            kv_heads=2,
+            ff_width=24,
+            max_positions=16,
+            rope_pairing="half",
+            norm_placement="post",
+        ),
+    ),
+    "mha-interleaved-post": (
+        "llama",
+        LlamaConfig(vocab_size=40, layers=2, width=16, heads=2, ff_width=24, max_positions=16, norm_placement="post"),
+    ),
+    "gpt": (
+        "gpt",
+        GPTConfig(
+            vocab_size=40,
+            width=16,
+            heads=4,
+            ff_width=32,
+            context=16,
+            layers=2,
+            attention_bias=True,
+            activation="gelu_tanh",
+        ),
+    ),
 }
 # Prefill, then a chunk of several tokens on a non-empty cache, then single tokens.
 SCHEDULE = (5, 3, 1, 1, 1)
@@ -67,7 +110,7 @@ def test_eager_cache_path_equals_full_forward(case):
     past, start, got = empty_past(config, 2), 0, []
     with torch.no_grad():
         for n in SCHEDULE:
-            stages = model(torch.from_numpy(ids[:, start:start + n]), past=past)
+            stages = model(torch.from_numpy(ids[:, start : start + n]), past=past)
             past = [(stages[f"present.{i}.key"], stages[f"present.{i}.value"]) for i in range(config.layers)]
             got.append(stages["logits"].numpy())
             start += n
@@ -102,8 +145,19 @@ def test_eager_cache_overflow_is_refused():
 # --------------------------------------------------------------------------- exported serving graphs
 
 # One layer keeps the export cheap; the multi-layer cache plumbing is covered by decoder-small.
-CUSTOM = LlamaConfig(vocab_size=40, layers=1, width=16, heads=4, kv_heads=2, ff_width=24, max_positions=12,
-                       rope_pairing="half", norm_placement="post", tie_embeddings=False, rope_base=50.0)
+CUSTOM = LlamaConfig(
+    vocab_size=40,
+    layers=1,
+    width=16,
+    heads=4,
+    kv_heads=2,
+    ff_width=24,
+    max_positions=12,
+    rope_pairing="half",
+    norm_placement="post",
+    tie_embeddings=False,
+    rope_base=50.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +189,7 @@ def test_serving_graph_decodes_like_the_full_forward(serving, backend):
     lm = CachedLM(create_runner(backend, artifact), config.max_positions)
     got, start = [], 0
     for n in schedule:
-        got.append(lm.step(ids[:, start:start + n]))
+        got.append(lm.step(ids[:, start : start + n]))
         start += n
     assert lm.length == sum(schedule)
     got = np.concatenate(got, axis=1)
@@ -151,16 +205,22 @@ def serving_feed(ids, past: dict, past_len: int) -> dict:
     """A single-history feed written out by hand: positions continue after the cache, every
     cached slot is a real token."""
     batch, new = ids.shape
-    return {"input_ids": ids,
-            "position_ids": np.tile(np.arange(past_len, past_len + new, dtype=np.int64), (batch, 1)),
-            "past_mask": np.ones((batch, past_len), np.int64), **past}
+    return {
+        "input_ids": ids,
+        "position_ids": np.tile(np.arange(past_len, past_len + new, dtype=np.int64), (batch, 1)),
+        "past_mask": np.ones((batch, past_len), np.int64),
+        **past,
+    }
 
 
 def zero_past(config, batch, length, *, kv_heads=None, head_width=None, fill=0.0):
     kv = getattr(config, "kv_heads", config.heads) if kv_heads is None else kv_heads
     hw = config.head_width if head_width is None else head_width
-    return {f"past.{i}.{kind}": np.full((batch, kv, length, hw), fill, np.float32)
-            for i in range(config.layers) for kind in ("key", "value")}
+    return {
+        f"past.{i}.{kind}": np.full((batch, kv, length, hw), fill, np.float32)
+        for i in range(config.layers)
+        for kind in ("key", "value")
+    }
 
 
 @pytest.mark.parametrize("backend", ["ort-cpu", "onnx-reference", "eager"])
@@ -217,8 +277,11 @@ def test_past_lengths_and_batch_must_agree(serving, monkeypatch):
     monkeypatch.setattr(runner, "_infer", never_infer)
     feed = cache_feed(config, 2, 3, 1)
     feed["past.0.value"] = feed["past.0.value"][:, :, :2]
-    with pytest.raises(InputError, match=r"input 'past\.0\.value': axis 2 \(past_sequence\) is 2 but input "
-                                         r"'past_mask' has past_sequence=3"):
+    with pytest.raises(
+        InputError,
+        match=r"input 'past\.0\.value': axis 2 \(past_sequence\) is 2 but input "
+        r"'past_mask' has past_sequence=3",
+    ):
         runner.run(feed)
     feed = cache_feed(config, 2, 3, 1)
     feed["input_ids"] = np.zeros((1, 1), np.int64)
@@ -237,7 +300,7 @@ def test_left_padded_batch_decodes_each_row_like_its_own_forward(serving, backen
     seqs = [random_ids(config, 1, n + steps, seed=30 + n)[0] for n in lengths]
     width = max(lengths)
     cache = {name: [] for name in zero_past(config, 1, 0)}
-    for seq, n in zip(seqs, lengths):
+    for seq, n in zip(seqs, lengths, strict=False):
         out = runner.run(serving_feed(seq[None, :n], zero_past(config, 1, 0), 0))
         for name in cache:
             pad = zero_past(config, 1, width - n, fill=100.0)[name]
@@ -246,25 +309,37 @@ def test_left_padded_batch_decodes_each_row_like_its_own_forward(serving, backen
     mask = np.array([[0] * (width - n) + [1] * n for n in lengths], np.int64)
     got = []
     for k in range(steps):
-        feed = {"input_ids": np.array([[seq[n + k]] for seq, n in zip(seqs, lengths)], np.int64),
-                "position_ids": np.array([[n + k] for n in lengths], np.int64), "past_mask": mask, **cache}
+        feed = {
+            "input_ids": np.array([[seq[n + k]] for seq, n in zip(seqs, lengths, strict=False)], np.int64),
+            "position_ids": np.array([[n + k] for n in lengths], np.int64),
+            "past_mask": mask,
+            **cache,
+        }
         out = runner.run(feed)
         got.append(out["logits"][:, 0])
         cache = {name: out[name.replace("past.", "present.")] for name in cache}
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
-    for row, (seq, n) in enumerate(zip(seqs, lengths)):
-        want = full_logits(oracle, seq[None])[0, n:n + steps]
+    for row, (seq, n) in enumerate(zip(seqs, lengths, strict=False)):
+        want = full_logits(oracle, seq[None])[0, n : n + steps]
         have = np.stack([g[row] for g in got])
         np.testing.assert_allclose(have, want, rtol=0, atol=5e-5 * max(1.0, np.abs(want).max()), err_msg=f"row {row}")
 
 
-@pytest.mark.parametrize("change,pattern", [
-    (lambda f, m: f["position_ids"].__setitem__((0, 0), m),
-     r"input 'position_ids': position {m} is outside \[0, {m}\)"),
-    (lambda f, m: f["position_ids"].__setitem__((0, 0), -1),
-     r"input 'position_ids': position -1 is outside \[0, {m}\)"),
-    (lambda f, m: f["past_mask"].__setitem__((0, 1), 2), r"input 'past_mask': expected only 0 \(padding\) and 1"),
-], ids=["position too large", "negative position", "mask value"])
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        (
+            lambda f, m: f["position_ids"].__setitem__((0, 0), m),
+            r"input 'position_ids': position {m} is outside \[0, {m}\)",
+        ),
+        (
+            lambda f, m: f["position_ids"].__setitem__((0, 0), -1),
+            r"input 'position_ids': position -1 is outside \[0, {m}\)",
+        ),
+        (lambda f, m: f["past_mask"].__setitem__((0, 1), 2), r"input 'past_mask': expected only 0 \(padding\) and 1"),
+    ],
+    ids=["position too large", "negative position", "mask value"],
+)
 def test_bad_positions_and_masks_are_refused(serving, change, pattern, monkeypatch):
     artifact, config, _ = serving
     runner = create_runner("ort-cpu", artifact)

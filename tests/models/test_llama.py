@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from artifact.errors import ConfigError, InputError
 from models.llama import BlockConfig, LlamaBlock, LlamaConfig, ProbedBlockConfig
 from models.registry import build_model
 from models.worked_example import build_worked_example, worked_example_config, worked_example_inputs
-from artifact.errors import ConfigError, InputError
 
 PRE_STAGES = (
     "attention_norm",
@@ -209,7 +209,7 @@ def test_block_float32_matches_numpy_formulas_within_float32_tolerance():
 
 def test_pre_and_post_norm_outputs_differ():
     pre, post = _block_model(seed=7).double(), _block_model(seed=7, norm_placement="post").double()
-    assert all(torch.equal(a, b) for a, b in zip(pre.state_dict().values(), post.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(pre.state_dict().values(), post.state_dict().values(), strict=False))
     x = _randn((1, 4, 8), 8)
     diff = (pre(x)["block.0.output"] - post(x)["block.0.output"]).abs().max()
     assert diff > 1e-3
@@ -253,12 +253,12 @@ def _hand_worked_example(placement):
     x = [[2.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 2.0, 0]]
     attn = [[2.0, 0, 0, 0], [2 * P0, 2 * (1 - P0), 0, 0], [2 / 3, 2 / 3, 2 * E / (2 + E), 0]]
     rows = []
-    for xt, at in zip(x, attn):
+    for xt, at in zip(x, attn, strict=False):
         if placement == "pre":
-            h = [a + b for a, b in zip(xt, at)]
-            y = [hi + ni * ni * SIG(ni) for hi, ni in zip(h, _hand_rms(h))]
+            h = [a + b for a, b in zip(xt, at, strict=False)]
+            y = [hi + ni * ni * SIG(ni) for hi, ni in zip(h, _hand_rms(h), strict=False)]
         else:
-            h = _hand_rms([a + b for a, b in zip(xt, at)])
+            h = _hand_rms([a + b for a, b in zip(xt, at, strict=False)])
             y = _hand_rms([hi * (1 + hi * SIG(hi)) for hi in h])
         rows.append((h, y))
     return rows

@@ -248,7 +248,9 @@ def test_apply_rope_relative_property():
     q, k = _randn((1, 1, 1, hw), 70), _randn((1, 1, 1, hw), 71)
 
     def dot(m, n):
-        return float((apply_rope(q, torch.tensor([m]), inv, "half") * apply_rope(k, torch.tensor([n]), inv, "half")).sum())
+        return float(
+            (apply_rope(q, torch.tensor([m]), inv, "half") * apply_rope(k, torch.tensor([n]), inv, "half")).sum()
+        )
 
     assert dot(5, 2) == pytest.approx(dot(13, 10), rel=1e-12, abs=1e-12)
     assert dot(5, 2) != pytest.approx(dot(5, 3), rel=1e-6)

@@ -16,14 +16,14 @@ from click.testing import CliRunner
 
 import models.registry as registry
 import runners.ort as ort_module
+from artifact.errors import ConfigError
 from exporters.onnx_export import export_model
+from models.artifacts import artifact_config
 from models.llama import LlamaConfig
+from models.presets import PRESETS, get_preset
 from models.registry import FAMILIES, build_model
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from models.presets import PRESETS, get_preset
-from artifact.errors import ConfigError
-from models.artifacts import artifact_config
 
 BACKENDS = ["eager", "ort-cpu", "onnx-reference"]
 SHAPES = [(1, "short"), (1, "long"), (3, "short"), (3, "long")]
@@ -61,8 +61,17 @@ def test_every_preset_cross_checks_on_every_backend(exported, preset, batch, whi
 
 
 def test_the_preset_list_is_what_the_issue_describes():
-    assert set(PRESETS) == {"worked-example", "block-small", "block-small-post", "decoder-small",
-                            "decoder-small-gqa", "decoder-small-post", "gpt-tiny", "vaswani-2017", "modern-2026"}
+    assert set(PRESETS) == {
+        "worked-example",
+        "block-small",
+        "block-small-post",
+        "decoder-small",
+        "decoder-small-gqa",
+        "decoder-small-post",
+        "gpt-tiny",
+        "vaswani-2017",
+        "modern-2026",
+    }
     assert {p.family for p in PRESETS.values()} == set(FAMILIES)
 
 
@@ -121,10 +130,20 @@ def test_presets_json_lists_every_preset_with_hand_checked_counts():
 
 def test_presets_json_switches():
     rows = {row["name"]: row for row in json.loads(CliRunner().invoke(main, ["presets", "--format", "json"]).output)}
-    assert rows["vaswani-2017"]["switches"] == {"norm": "layernorm", "ffn": "relu", "positions": "sinusoidal",
-                                                "norm_placement": "post", "biases": True}
-    assert rows["modern-2026"]["switches"] == {"norm": "rmsnorm", "ffn": "swiglu", "positions": "rope",
-                                               "norm_placement": "pre", "biases": False}
+    assert rows["vaswani-2017"]["switches"] == {
+        "norm": "layernorm",
+        "ffn": "relu",
+        "positions": "sinusoidal",
+        "norm_placement": "post",
+        "biases": True,
+    }
+    assert rows["modern-2026"]["switches"] == {
+        "norm": "rmsnorm",
+        "ffn": "swiglu",
+        "positions": "rope",
+        "norm_placement": "pre",
+        "biases": False,
+    }
     gpt = rows["gpt-tiny"]["switches"]
     assert (gpt["norm"], gpt["ffn"], gpt["positions"], gpt["norm_placement"]) == ("layernorm", "gelu", "learned", "pre")
     assert rows["decoder-small-gqa"]["switches"]["attention"] == "gqa (2 kv heads)"
@@ -142,8 +161,9 @@ def test_presets_text_names_every_preset():
 
 def test_presets_command_fails_when_a_ledger_disagrees(monkeypatch):
     family = registry.FAMILIES["encoder-decoder"]
-    monkeypatch.setitem(registry.FAMILIES, "encoder-decoder",
-                        dataclasses.replace(family, parameter_formula=lambda c: 1))
+    monkeypatch.setitem(
+        registry.FAMILIES, "encoder-decoder", dataclasses.replace(family, parameter_formula=lambda c: 1)
+    )
     result = CliRunner().invoke(main, ["presets", "--format", "json"])
     assert result.exit_code == 2
     assert "parameter ledger mismatch for encoder-decoder" in result.output
@@ -161,8 +181,9 @@ def test_kv_heads_must_divide_heads(heads, kv_heads):
 
 @pytest.fixture(scope="module")
 def mqa_artifact(tmp_path_factory):
-    config = LlamaConfig(vocab_size=32, width=16, heads=4, kv_heads=1, ff_width=24, layers=2, max_positions=8,
-                           tie_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=32, width=16, heads=4, kv_heads=1, ff_width=24, layers=2, max_positions=8, tie_embeddings=False
+    )
     out = tmp_path_factory.mktemp("mqa") / "artifact"
     return export_model(build_model("llama", config, seed=3), "llama", config, out, seed=3), config
 

@@ -4,28 +4,36 @@ keys, wrong types, mutated text). The outcome is a config that satisfies its fam
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.registry import FAMILIES
-from models.presets import PRESETS, load_config_file
 from artifact.errors import ConfigError
+from models.presets import PRESETS, load_config_file
+from models.registry import FAMILIES
 
 pytestmark = pytest.mark.slow
 
 
 CASES = 2000
 BASES = [{"family": p.family, "seed": p.seed, "config": p.config.to_dict()} for p in PRESETS.values()]
-JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([0, 1, 2, 3, 4, 64]),
-                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
-                         st.sampled_from(["pre", "post", "half", "interleaved", "rmsnorm", "relu", "rope"]))
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=4), inner, max_size=3), max_leaves=6)
+JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, 2, 3, 4, 64]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=6),
+    st.sampled_from(["pre", "post", "half", "interleaved", "rmsnorm", "relu", "rope"]),
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @st.composite
@@ -64,8 +72,9 @@ def test_fuzz_load_config_file(tmp_path, fuzz_summary):
     path = tmp_path / "config.json"
     counts = {"cases": 0, "accepted": 0, "refused": 0}
 
-    @settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=CASES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(config_texts())
     def run(text):
         counts["cases"] += 1
@@ -80,6 +89,8 @@ def test_fuzz_load_config_file(tmp_path, fuzz_summary):
         counts["accepted"] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of models.presets.load_config_file "
-                 f"({counts['accepted']} accepted, {counts['refused']} refused)")
+    fuzz_summary(
+        f"fuzzed {counts['cases']} cases of models.presets.load_config_file "
+        f"({counts['accepted']} accepted, {counts['refused']} refused)"
+    )
     assert counts["cases"] >= CASES and counts["accepted"] > 0

@@ -14,9 +14,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.models.receipts import IGNORE_INDEX, causality_receipt, gradient_receipt, padding_receipt, token_cross_entropy
-from models.registry import build_model
 from models.presets import get_preset
+from models.registry import build_model
+from tests.models.receipts import (
+    IGNORE_INDEX,
+    causality_receipt,
+    gradient_receipt,
+    padding_receipt,
+    token_cross_entropy,
+)
 
 LLAMA_PRESETS = ["decoder-small", "decoder-small-gqa", "decoder-small-post"]
 LM_PRESETS = ["gpt-tiny", *LLAMA_PRESETS]
@@ -67,8 +73,9 @@ class Detached(nn.Module):
         super().__init__()
         self.inner = inner
         norm = inner.final_norm
-        norm.forward = lambda x: F.layer_norm(x, norm.normalized_shape, norm.weight.detach(), norm.bias.detach(),
-                                              norm.eps)
+        norm.forward = lambda x: F.layer_norm(
+            x, norm.normalized_shape, norm.weight.detach(), norm.bias.detach(), norm.eps
+        )
 
     def forward(self, input_ids):
         return self.inner(input_ids)
@@ -206,7 +213,10 @@ def test_gradient_receipt_fails_for_tensors_whose_gradient_is_exactly_zero():
     receipt = gradient_receipt(model, ids, torch.tensor([[1, 2, IGNORE_INDEX]]))
     assert receipt["passed"] is False
     assert set(receipt["dead"]) == {n for n, _ in model.named_parameters()} - {
-        "final_norm.weight", "final_norm.bias", "lm_head.weight"}
+        "final_norm.weight",
+        "final_norm.bias",
+        "lm_head.weight",
+    }
     assert receipt["gradient_norms"]["block.0.attention.q_proj.weight"] == 0.0
 
 

@@ -12,14 +12,16 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from models.tokenizer import TextTokenizer
 from artifact.errors import ModelFileError
+from models.tokenizer import TextTokenizer
 from tests.optional import import_or_skip
 
-CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-          "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
-          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # Block tags on their own lines: exercises trim_blocks / lstrip_blocks, which transformers also uses.
 BLOCKY = """{{ bos_token }}
 {% for m in messages %}
@@ -31,8 +33,12 @@ BLOCKY = """{{ bos_token }}
 {% endfor %}
 """
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokens",
-          "export to ONNX and check 123 456 7890", "héllo wörld"] * 20
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello tokens",
+    "export to ONNX and check 123 456 7890",
+    "héllo wörld",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +46,12 @@ def trained() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
@@ -58,8 +68,12 @@ TEXTS = ["hello world", "the lazy fox exports 123 to ONNX", "unseen words: zebra
 
 
 def test_hf_dir_round_trip_and_special_ids(tmp_path, trained):
-    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}, "add_bos_token": True,
-              "chat_template": CHATML}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {"content": "</s>", "special": True},
+        "add_bos_token": True,
+        "chat_template": CHATML,
+    }
     tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, config))
     assert (tokenizer.bos_id, tokenizer.eos_id) == (trained.token_to_id("<s>"), trained.token_to_id("</s>"))
     assert tokenizer.bos_id is not None and tokenizer.eos_id is not None
@@ -102,10 +116,14 @@ def test_chat_template_renders_like_transformers(tmp_path, trained, template, ge
     transformers = import_or_skip("transformers", reason="transformers renders the reference chat template")
     config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
     tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, config))
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=trained, bos_token="<s>", eos_token="</s>",
-                                                     chat_template=template)
-    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "And 3+3?"}]
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=trained, bos_token="<s>", eos_token="</s>", chat_template=template
+    )
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     want = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt) == want
 
@@ -113,20 +131,24 @@ def test_chat_template_renders_like_transformers(tmp_path, trained, template, ge
 def test_chatml_by_hand_and_special_tokens_encode_whole(tmp_path, trained):
     tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, {"chat_template": CHATML}))
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert text == ("<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tokenizer.encode(text)
     start, end = trained.token_to_id("<|im_start|>"), trained.token_to_id("<|im_end|>")
     assert ids.count(start) == 3 and ids.count(end) == 2  # each marker is one token, not its characters
     assert tokenizer.decode(ids) == "system\nYou are helpful.\nuser\nhi\nassistant\n"
 
 
-@pytest.mark.parametrize("template,pattern", [
-    ("{{ raise_exception('only user and assistant roles') }}", r"failed to render: only user and assistant roles"),
-    ("{{ ''.__class__.__mro__ }}", r"failed to render: access to attribute '__class__' of 'str' object is unsafe"),
-    ("{{ messages.append(1) }}", r"failed to render: access to attribute 'append' of 'list' object is unsafe"),
-    ("{% for m in messages %}", r"failed to render: .*end of template"),
-])
+@pytest.mark.parametrize(
+    "template,pattern",
+    [
+        ("{{ raise_exception('only user and assistant roles') }}", r"failed to render: only user and assistant roles"),
+        ("{{ ''.__class__.__mro__ }}", r"failed to render: access to attribute '__class__' of 'str' object is unsafe"),
+        ("{{ messages.append(1) }}", r"failed to render: access to attribute 'append' of 'list' object is unsafe"),
+        ("{% for m in messages %}", r"failed to render: .*end of template"),
+    ],
+)
 def test_chat_templates_render_in_a_sandbox(tmp_path, trained, template, pattern):
     tokenizer = TextTokenizer.from_hf_dir(hf_dir(tmp_path, trained, {"chat_template": template}))
     with pytest.raises(ModelFileError, match=pattern):
@@ -141,8 +163,7 @@ def test_artifact_copy_round_trips(tmp_path, trained):
     for name, data in source.files().items():
         (out / name).write_bytes(data)
     copy = TextTokenizer.from_artifact(out)
-    assert (copy.bos_id, copy.eos_id, copy.add_bos, copy.chat_template) == \
-        (source.bos_id, source.eos_id, True, CHATML)
+    assert (copy.bos_id, copy.eos_id, copy.add_bos, copy.chat_template) == (source.bos_id, source.eos_id, True, CHATML)
     for text in TEXTS:
         assert copy.encode(text) == source.encode(text)
     (out / "tokenizer_config.json").unlink()
@@ -175,8 +196,11 @@ def gguf_fields(tok: Tokenizer, **overrides) -> dict:
 
 def test_gguf_tokenizer_matches_the_source_tokenizer(trained):
     tokenizer = TextTokenizer.from_gguf(gguf_fields(trained))
-    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos) == \
-        (trained.token_to_id("<|im_start|>"), trained.token_to_id("<|im_end|>"), False)
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.add_bos) == (
+        trained.token_to_id("<|im_start|>"),
+        trained.token_to_id("<|im_end|>"),
+        False,
+    )
     for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
         ids = tokenizer.encode(text)
         assert ids == trained.encode(text).ids
@@ -193,7 +217,7 @@ def test_gguf_add_bos_prepends_it(trained):
 def test_gguf_smollm_pre_tokenizer_splits_digits(trained):
     vocab = trained.get_vocab()
     digits = "1234567890"
-    assert any(vocab.get(digits[i:i + 2]) is not None for i in range(9)), "the corpus should have merged digits"
+    assert any(vocab.get(digits[i : i + 2]) is not None for i in range(9)), "the corpus should have merged digits"
     plain = TextTokenizer.from_gguf(gguf_fields(trained))
     smollm = TextTokenizer.from_gguf(gguf_fields(trained, **{"tokenizer.ggml.pre": "smollm"}))
     assert smollm.encode("7890") == [vocab[d] for d in "7890"]
@@ -201,10 +225,13 @@ def test_gguf_smollm_pre_tokenizer_splits_digits(trained):
     assert smollm.decode(smollm.encode("call 123 now")) == "call 123 now"
 
 
-@pytest.mark.parametrize("key,value,pattern", [
-    ("tokenizer.ggml.model", "llama", r"GGUF tokenizer model 'llama' is not supported; supported: 'gpt2'"),
-    ("tokenizer.ggml.pre", "qwen2", r"GGUF pre-tokenizer 'qwen2' is not supported; supported: gpt2, smollm"),
-])
+@pytest.mark.parametrize(
+    "key,value,pattern",
+    [
+        ("tokenizer.ggml.model", "llama", r"GGUF tokenizer model 'llama' is not supported; supported: 'gpt2'"),
+        ("tokenizer.ggml.pre", "qwen2", r"GGUF pre-tokenizer 'qwen2' is not supported; supported: gpt2, smollm"),
+    ],
+)
 def test_gguf_unsupported_tokenizers(trained, key, value, pattern):
     with pytest.raises(ModelFileError, match=pattern):
         TextTokenizer.from_gguf(gguf_fields(trained, **{key: value}))
@@ -226,8 +253,9 @@ def test_bos_from_the_post_processor_is_kept_like_transformers(tmp_path, trained
     tok = Tokenizer.from_str(trained.to_str())
     bos = ("<s>", tok.token_to_id("<s>"))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
-    directory = hf_dir(tmp_path, tok, {"bos_token": "<s>", "eos_token": "</s>",
-                                       "tokenizer_class": "PreTrainedTokenizerFast"})
+    directory = hf_dir(
+        tmp_path, tok, {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    )
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
     want = reference("hello world").input_ids
     assert want[0] == tok.token_to_id("<s>")

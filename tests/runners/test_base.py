@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from artifact.errors import InputError
 from models.llama import LlamaConfig, ProbedBlockConfig
 from runners.base import Runner, check_feed
-from artifact.errors import InputError
 
 HIDDEN = [{"name": "hidden_states", "dtype": "float32", "shape": ["batch", "sequence", 4]}]
 IDS = [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "sequence"]}]
@@ -52,36 +52,65 @@ def test_two_inputs_may_have_different_symbolic_axes():
 
 # Each case: (specs, feed, config, pattern naming the input and expected vs actual).
 BAD_FEEDS = {
-    "wrong dtype": (HIDDEN, {"hidden_states": hidden(dtype=np.float64)}, None,
-                    r"'hidden_states'.*float32.*float64"),
+    "wrong dtype": (HIDDEN, {"hidden_states": hidden(dtype=np.float64)}, None, r"'hidden_states'.*float32.*float64"),
     "wrong integer dtype": (IDS, {"input_ids": np.zeros((1, 2), np.int32)}, None, r"'input_ids'.*int64.*int32"),
     "rank too low": (HIDDEN, {"hidden_states": hidden((3, 4))}, None, r"'hidden_states'.*rank 3.*rank 2"),
     "rank too high": (HIDDEN, {"hidden_states": hidden((1, 2, 3, 4))}, None, r"'hidden_states'.*rank 3.*rank 4"),
-    "wrong fixed dim": (HIDDEN, {"hidden_states": hidden((2, 3, 5))}, None,
-                        r"'hidden_states'.*axis 2.*4.*got 5"),
-    "inconsistent symbolic dim": (TWO, {"input_ids": np.zeros((2, 3), np.int64), "memory": hidden((3, 5, 4))},
-                                  None, r"'memory'.*batch.*3.*'input_ids'.*2"),
+    "wrong fixed dim": (HIDDEN, {"hidden_states": hidden((2, 3, 5))}, None, r"'hidden_states'.*axis 2.*4.*got 5"),
+    "inconsistent symbolic dim": (
+        TWO,
+        {"input_ids": np.zeros((2, 3), np.int64), "memory": hidden((3, 5, 4))},
+        None,
+        r"'memory'.*batch.*3.*'input_ids'.*2",
+    ),
     "missing input": (TWO, {"input_ids": np.zeros((2, 3), np.int64)}, None, r"missing \['memory'\]"),
     "extra input": (HIDDEN, {"hidden_states": hidden(), "mask": hidden()}, None, r"unexpected \['mask'\]"),
-    "misspelt input": (IDS, {"input_id": np.zeros((1, 2), np.int64)}, None,
-                       r"expected names \['input_ids'\].*missing \['input_ids'\].*unexpected \['input_id'\]"),
+    "misspelt input": (
+        IDS,
+        {"input_id": np.zeros((1, 2), np.int64)},
+        None,
+        r"expected names \['input_ids'\].*missing \['input_ids'\].*unexpected \['input_id'\]",
+    ),
     "empty batch": (HIDDEN, {"hidden_states": hidden((0, 3, 4))}, None, r"'hidden_states'.*axis 0.*batch.*empty"),
     "empty sequence": (IDS, {"input_ids": np.zeros((2, 0), np.int64)}, None, r"'input_ids'.*axis 1.*sequence.*empty"),
-    "NaN": (HIDDEN, {"hidden_states": np.where(np.arange(24).reshape(2, 3, 4) == 13, np.nan, 1.0).astype(np.float32)},
-            None, r"'hidden_states'.*non-finite.*\(1, 0, 1\)"),
+    "NaN": (
+        HIDDEN,
+        {"hidden_states": np.where(np.arange(24).reshape(2, 3, 4) == 13, np.nan, 1.0).astype(np.float32)},
+        None,
+        r"'hidden_states'.*non-finite.*\(1, 0, 1\)",
+    ),
     "Inf": (HIDDEN, {"hidden_states": np.full((1, 1, 4), np.inf, np.float32)}, None, r"'hidden_states'.*non-finite"),
-    "token id too large": (IDS, {"input_ids": np.array([[0, 10, 3]])}, DECODER,
-                           r"'input_ids'.*token id 10.*\(0, 1\).*\[0, 10\)"),
+    "token id too large": (
+        IDS,
+        {"input_ids": np.array([[0, 10, 3]])},
+        DECODER,
+        r"'input_ids'.*token id 10.*\(0, 1\).*\[0, 10\)",
+    ),
     "negative token id": (IDS, {"input_ids": np.array([[1], [-1]])}, DECODER, r"'input_ids'.*token id -1.*\[0, 10\)"),
-    "sequence too long (ids)": (IDS, {"input_ids": np.zeros((1, 9), np.int64)}, DECODER,
-                                r"'input_ids'.*sequence length 9.*max_positions=8"),
-    "sequence too long (hidden)": (HIDDEN, {"hidden_states": hidden((1, 9, 4))}, BLOCK,
-                                   r"'hidden_states'.*sequence length 9.*max_positions=8"),
-    "source too long": (TWO_SOURCE, {"input_ids": np.zeros((1, 2), np.int64), "source_ids": np.zeros((1, 9), np.int64)},
-                        DECODER, r"'source_ids'.*sequence length 9.*max_positions=8"),
-    "source id too large": (TWO_SOURCE, {"input_ids": np.zeros((1, 2), np.int64),
-                                         "source_ids": np.array([[0, 12]], np.int64)},
-                            DECODER, r"'source_ids'.*token id 12.*\[0, 10\)"),
+    "sequence too long (ids)": (
+        IDS,
+        {"input_ids": np.zeros((1, 9), np.int64)},
+        DECODER,
+        r"'input_ids'.*sequence length 9.*max_positions=8",
+    ),
+    "sequence too long (hidden)": (
+        HIDDEN,
+        {"hidden_states": hidden((1, 9, 4))},
+        BLOCK,
+        r"'hidden_states'.*sequence length 9.*max_positions=8",
+    ),
+    "source too long": (
+        TWO_SOURCE,
+        {"input_ids": np.zeros((1, 2), np.int64), "source_ids": np.zeros((1, 9), np.int64)},
+        DECODER,
+        r"'source_ids'.*sequence length 9.*max_positions=8",
+    ),
+    "source id too large": (
+        TWO_SOURCE,
+        {"input_ids": np.zeros((1, 2), np.int64), "source_ids": np.array([[0, 12]], np.int64)},
+        DECODER,
+        r"'source_ids'.*token id 12.*\[0, 10\)",
+    ),
     "not an array": (HIDDEN, {"hidden_states": hidden().tolist()}, None, r"'hidden_states'.*numpy array.*list"),
     "not a mapping": (HIDDEN, [hidden()], None, r"inputs: expected a mapping.*list"),
 }
@@ -145,7 +174,9 @@ def test_a_spec_dtype_numpy_does_not_know_is_a_model_file_error():
 def test_non_finite_report_counts_every_bad_value_and_names_the_first():
     x = np.zeros((1, 2, 4), np.float32)
     x[0, 1, 2], x[0, 1, 3], x[0, 0, 1] = np.nan, np.inf, -np.inf  # first in C order: (0, 0, 1)
-    with pytest.raises(InputError, match=r"'hidden_states': 3 non-finite value\(s\) \(NaN/Inf\), first at index \(0, 0, 1\)"):
+    with pytest.raises(
+        InputError, match=r"'hidden_states': 3 non-finite value\(s\) \(NaN/Inf\), first at index \(0, 0, 1\)"
+    ):
         check_feed(HIDDEN, {"hidden_states": x})
 
 

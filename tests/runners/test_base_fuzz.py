@@ -9,12 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from artifact.errors import InputError
 from models.llama import LlamaConfig
 from runners.base import check_feed
-from artifact.errors import InputError
 
 # The generator's own casts (complex -> real, huge -> small ints) warn; they are the point of the mutation.
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning", "ignore::RuntimeWarning")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning", "ignore::RuntimeWarning"),
+]
 CASES = 2000
 CONFIG = LlamaConfig(vocab_size=10, layers=1, width=4, heads=2, ff_width=4, max_positions=6)
 SPECS = [
@@ -24,8 +27,21 @@ SPECS = [
     {"name": "past.0.key", "dtype": "float32", "shape": ["batch", 2, "past_sequence", 2]},
 ]
 DTYPES = ["int64", "int32", "uint8", "float32", "float64", "float16", "bool", "complex64", "object", "<U2"]
-MUTATIONS = ("dtype", "shape", "rank", "nan", "inf", "id", "position", "mask", "drop", "extra", "not-array",
-             "empty", "long")
+MUTATIONS = (
+    "dtype",
+    "shape",
+    "rank",
+    "nan",
+    "inf",
+    "id",
+    "position",
+    "mask",
+    "drop",
+    "extra",
+    "not-array",
+    "empty",
+    "long",
+)
 
 
 @st.composite
@@ -82,7 +98,7 @@ def independently_valid(feed: dict) -> None:
     for spec in SPECS:
         array = feed[spec["name"]]
         assert array.dtype == np.dtype(spec["dtype"]) and array.ndim == len(spec["shape"])
-        for want, got in zip(spec["shape"], array.shape):
+        for want, got in zip(spec["shape"], array.shape, strict=False):
             assert got == want if isinstance(want, int) else sizes.setdefault(want, got) == got
         if array.dtype.kind == "f":
             assert np.isfinite(array).all()
@@ -95,8 +111,9 @@ def independently_valid(feed: dict) -> None:
 def test_fuzz_check_feed(fuzz_summary):
     counts = {"cases": 0, "accepted": 0, "refused": 0}
 
-    @settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=CASES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(feeds())
     def run(feed):
         counts["cases"] += 1
@@ -110,7 +127,9 @@ def test_fuzz_check_feed(fuzz_summary):
         counts["accepted"] += 1
 
     run()
-    fuzz_summary(f"fuzzed {counts['cases']} cases of runners.base.check_feed "
-                 f"({counts['accepted']} accepted, {counts['refused']} refused)")
+    fuzz_summary(
+        f"fuzzed {counts['cases']} cases of runners.base.check_feed "
+        f"({counts['accepted']} accepted, {counts['refused']} refused)"
+    )
     assert counts["cases"] >= CASES
     assert counts["accepted"] > 0  # the generator reaches the valid side too

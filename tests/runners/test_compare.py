@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from runners.compare import Comparison, Tolerance, ToleranceConfig, compare
 from artifact.errors import ComparisonError, ConfigError
+from runners.compare import Comparison, Tolerance, ToleranceConfig, compare
 
 LOOSE = Tolerance(atol=0.1, rtol=0.01, multiple=2.0)
 
@@ -203,7 +203,9 @@ def write(tmp_path, text, name="tol.toml"):
 
 
 def test_tolerance_file_per_dtype_and_stage_glob(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 [float32]
 atol = 0.5
 [float32.stages."block.*.attention_weights"]
@@ -211,15 +213,19 @@ rtol = 0.25
 [float16]
 atol = 1e-3
 rtol = 1e-2
-""")
+""",
+    )
     config = load_tolerances(path)
     # The stage entry inherits atol and multiple from [float32], overrides rtol.
     assert config.for_output("block.0.attention_weights", "float32") == Tolerance(0.5, 0.25, 8.0)
     assert config.for_output("logits", "float32") == Tolerance(0.5, DEFAULT_TOLERANCES["float32"].rtol, 8.0)
     assert config.for_output("logits", "float16") == Tolerance(1e-3, 1e-2, 8.0)
     # Used by compare: allowed = 8 * 0 + 0.5 + 0.25 * 2 = 1.0 for the attention weights.
-    result = compare({"block.0.attention_weights": np.array([2.0])}, {"block.0.attention_weights": np.array([3.0])},
-                     tolerances=config)
+    result = compare(
+        {"block.0.attention_weights": np.array([2.0])},
+        {"block.0.attention_weights": np.array([3.0])},
+        tolerances=config,
+    )
     assert result["block.0.attention_weights"].allowed == pytest.approx(1.0) and result
 
 
@@ -228,16 +234,19 @@ def test_tolerance_file_in_json(tmp_path):
     assert load_tolerances(path).for_output("logits", "float32").atol == 0.2
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("[float33]\natol = 1", r"unknown key 'float33' at the top level; expected a dtype table"),
-    ("[float32]\natool = 1", r"float32.atool: unknown key; expected atol, rtol, multiple"),
-    ("[float32]\natol = -1", r"float32.atol: expected a finite number >= 0, got -1"),
-    ("[float32]\nrtol = \"small\"", r"float32.rtol: expected a number, got str 'small'"),
-    ("[float32.stages.\"block.[0\"]\natol = 1", r"float32.stages.'block.\[0': bad glob, unclosed '\['"),
-    ("[float32.stages.\"logits\"]\nepsilon = 1", r"float32.stages.'logits'.epsilon: unknown key"),
-    ("[float32]\natol = 1\n[float32", r"invalid TOML"),
-    ("float32 = 3", r"float32: expected a table"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("[float33]\natol = 1", r"unknown key 'float33' at the top level; expected a dtype table"),
+        ("[float32]\natool = 1", r"float32.atool: unknown key; expected atol, rtol, multiple"),
+        ("[float32]\natol = -1", r"float32.atol: expected a finite number >= 0, got -1"),
+        ('[float32]\nrtol = "small"', r"float32.rtol: expected a number, got str 'small'"),
+        ('[float32.stages."block.[0"]\natol = 1', r"float32.stages.'block.\[0': bad glob, unclosed '\['"),
+        ('[float32.stages."logits"]\nepsilon = 1', r"float32.stages.'logits'.epsilon: unknown key"),
+        ("[float32]\natol = 1\n[float32", r"invalid TOML"),
+        ("float32 = 3", r"float32: expected a table"),
+    ],
+)
 def test_tolerance_file_errors_name_file_and_key(tmp_path, text, fragment):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=r"tol.toml: .*" + fragment):

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper
 
 import toolkit.check.crosscheck as check_module
+from artifact.errors import BackendUnavailableError, ModelFileError
 from runners.decoding.generate import CachedLM
 from runners.ort import (
     DISABLE_CPU_FALLBACK,
@@ -28,14 +29,16 @@ from runners.ort import (
 from runners.registry import available_backends, check_backend, create_runner
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from artifact.errors import BackendUnavailableError, ModelFileError
 
 ORT_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 TORCH_CUDA = torch.cuda.is_available()
+
+
 def needs_ort_cuda(test):
     """A GPU test (marker `gpu`), skipped with the reason where onnxruntime-gpu or the GPU is missing."""
-    skip = pytest.mark.skipif(not ORT_CUDA, reason="CUDAExecutionProvider not available (needs onnxruntime-gpu and "
-                                                   "an NVIDIA GPU)")
+    skip = pytest.mark.skipif(
+        not ORT_CUDA, reason="CUDAExecutionProvider not available (needs onnxruntime-gpu and an NVIDIA GPU)"
+    )
     return pytest.mark.gpu(skip(test))
 
 
@@ -46,8 +49,12 @@ def needs_torch_cuda(test):
 
 def event(node: str, op: str, provider: str, *types: str) -> dict:
     """One node event as onnxruntime's profiler writes it (Chrome trace format)."""
-    return {"cat": "Node", "name": f"{node}_kernel_time", "ph": "X",
-            "args": {"op_name": op, "provider": provider, "output_type_shape": [{t: [2, 3]} for t in types]}}
+    return {
+        "cat": "Node",
+        "name": f"{node}_kernel_time",
+        "ph": "X",
+        "args": {"op_name": op, "provider": provider, "output_type_shape": [{t: [2, 3]} for t in types]},
+    }
 
 
 FABRICATED = [
@@ -67,19 +74,26 @@ def test_audit_flags_float_nodes_on_the_cpu_and_tolerates_shape_arithmetic():
     assert [n.node for n in audit.host_shape_nodes] == ["shape0", "concat_dims"]
     assert not audit.ok and len(audit.nodes) == 4
     summary = audit.summary()
-    assert re.search(r"1 compute node\(s\) ran outside CUDAExecutionProvider: softmax \(Softmax -> float, "
-                     r"CPUExecutionProvider\).*--allow-cpu-fallback", summary)
+    assert re.search(
+        r"1 compute node\(s\) ran outside CUDAExecutionProvider: softmax \(Softmax -> float, "
+        r"CPUExecutionProvider\).*--allow-cpu-fallback",
+        summary,
+    )
     data = audit.to_dict()
-    assert data["offending"] == [{"node": "softmax", "op_type": "Softmax", "provider": "CPUExecutionProvider",
-                                  "output_types": ["float"]}]
+    assert data["offending"] == [
+        {"node": "softmax", "op_type": "Softmax", "provider": "CPUExecutionProvider", "output_types": ["float"]}
+    ]
 
 
 def test_audit_for_tensorrt_accepts_cuda_fallback_but_not_cpu():
-    events = [event("trt", "TRTKernel", "TensorrtExecutionProvider", "float"),
-              event("gather", "Gather", "CUDAExecutionProvider", "float")]
+    events = [
+        event("trt", "TRTKernel", "TensorrtExecutionProvider", "float"),
+        event("gather", "Gather", "CUDAExecutionProvider", "float"),
+    ]
     assert audit_placement(events, "TensorrtExecutionProvider").ok
-    assert not audit_placement(events + [event("add", "Add", "CPUExecutionProvider", "float16")],
-                               "TensorrtExecutionProvider").ok
+    assert not audit_placement(
+        events + [event("add", "Add", "CPUExecutionProvider", "float16")], "TensorrtExecutionProvider"
+    ).ok
 
 
 def test_audit_of_an_empty_profile_is_an_error_not_a_pass():
@@ -105,9 +119,25 @@ def test_audit_of_a_real_cpu_profile(exported):
     ops = {n.op_type for n in audit.offending}
     assert "MatMul" in ops and "Softmax" in ops
     assert all(n.computes_floats for n in audit.offending)
-    assert {n.op_type for n in audit.host_shape_nodes} <= {"Shape", "Gather", "Concat", "Unsqueeze", "Squeeze",
-                                                          "Slice", "Range", "Sub", "Add", "Reshape", "Cast",
-                                                          "Greater", "Mul", "Expand", "Equal", "Where", "Div"}
+    assert {n.op_type for n in audit.host_shape_nodes} <= {
+        "Shape",
+        "Gather",
+        "Concat",
+        "Unsqueeze",
+        "Squeeze",
+        "Slice",
+        "Range",
+        "Sub",
+        "Add",
+        "Reshape",
+        "Cast",
+        "Greater",
+        "Mul",
+        "Expand",
+        "Equal",
+        "Where",
+        "Div",
+    }
 
 
 class FakeGpuRunner:
@@ -154,18 +184,22 @@ def test_cli_check_lists_offending_nodes_and_allow_cpu_fallback(exported, fake_g
     directory = str(exported("block-small").directory)
     result = CliRunner().invoke(main, ["check", directory, "--backends", "ort-cpu"])
     assert result.exit_code == 1, result.output
-    assert re.search(r"placement ort-cpu: 1 compute node\(s\).*softmax \(Softmax, CPUExecutionProvider\).*FAIL",
-                     result.output)
+    assert re.search(
+        r"placement ort-cpu: 1 compute node\(s\).*softmax \(Softmax, CPUExecutionProvider\).*FAIL", result.output
+    )
     result = CliRunner().invoke(main, ["check", directory, "--backends", "ort-cpu", "--allow-cpu-fallback"])
     assert result.exit_code == 0, result.output
     assert "accepted (--allow-cpu-fallback)" in result.output
 
 
 def test_placement_line_when_everything_is_on_the_gpu():
-    ok = audit_placement([event("m", "MatMul", "CUDAExecutionProvider", "float"),
-                          event("s", "Shape", "CPUExecutionProvider", "int64")], "CUDAExecutionProvider")
-    assert placement_line(ok.to_dict()) == ("all compute nodes on CUDAExecutionProvider (1 nodes; "
-                                            "1 integer shape node(s) on the host)")
+    ok = audit_placement(
+        [event("m", "MatMul", "CUDAExecutionProvider", "float"), event("s", "Shape", "CPUExecutionProvider", "int64")],
+        "CUDAExecutionProvider",
+    )
+    assert placement_line(ok.to_dict()) == (
+        "all compute nodes on CUDAExecutionProvider (1 nodes; 1 integer shape node(s) on the host)"
+    )
 
 
 def test_cuda_provider_options_keep_tf32_off_unless_asked():
@@ -180,12 +214,14 @@ def test_strict_placement_sets_onnxruntimes_config_entry():
     options = SessionLoader("m.onnx", "CUDAExecutionProvider", strict_placement=True).options()
     assert options.get_session_config_entry(DISABLE_CPU_FALLBACK) == "1"
     with pytest.raises(RuntimeError, match="does not have configuration"):  # a CPU session cannot refuse the CPU
-        SessionLoader("m.onnx", "CPUExecutionProvider", strict_placement=True).options() \
-            .get_session_config_entry(DISABLE_CPU_FALLBACK)
+        SessionLoader("m.onnx", "CPUExecutionProvider", strict_placement=True).options().get_session_config_entry(
+            DISABLE_CPU_FALLBACK
+        )
 
 
-@pytest.mark.parametrize("name,needs", [("ort-cuda", "onnxruntime-gpu"), ("ort-trt", "TensorRT"),
-                                        ("eager-cuda", "CUDA build of torch")])
+@pytest.mark.parametrize(
+    "name,needs", [("ort-cuda", "onnxruntime-gpu"), ("ort-trt", "TensorRT"), ("eager-cuda", "CUDA build of torch")]
+)
 def test_missing_gpu_backends_say_what_they_need_and_what_is_available(name, needs, exported):
     if name in available_backends():
         pytest.skip(f"{name} is available here, so its unavailable-error cannot be shown")
@@ -206,10 +242,14 @@ def test_bfloat16_ortvalues_round_trip_through_their_bits():
     np.testing.assert_array_equal(from_ortvalue(value), values)
     # Through a session: Cast bfloat16 -> float32 and back, outputs read from their host buffers.
     graph = helper.make_graph(
-        [helper.make_node("Cast", ["x"], ["f"], to=TensorProto.FLOAT),
-         helper.make_node("Cast", ["f"], ["y"], to=TensorProto.BFLOAT16)], "g",
+        [
+            helper.make_node("Cast", ["x"], ["f"], to=TensorProto.FLOAT),
+            helper.make_node("Cast", ["f"], ["y"], to=TensorProto.BFLOAT16),
+        ],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [1, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 3])])
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 3])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     model.ir_version = 10
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -9,10 +9,10 @@ import onnxruntime
 import pytest
 import torch
 
+from artifact.errors import BackendUnavailableError, InputError, ModelFileError
+from models.presets import get_preset
 from runners.ort import OrtRunner, SessionLoader, available_providers
 from runners.registry import available_backends, check_backend, create_runner
-from models.presets import get_preset
-from artifact.errors import BackendUnavailableError, InputError, ModelFileError
 
 CUDA_AVAILABLE = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
 
@@ -72,8 +72,10 @@ BLOCK_BAD = {
     "wrong rank": ({"hidden_states": np.zeros((2, 12), np.float32)}, r"'hidden_states'.*rank 3.*rank 2"),
     "wrong width": ({"hidden_states": np.zeros((1, 2, 11), np.float32)}, r"'hidden_states'.*axis 2.*12.*11"),
     "missing": ({}, r"missing \['hidden_states'\]"),
-    "extra": ({"hidden_states": np.zeros((1, 2, 12), np.float32), "attention_mask": np.ones((1, 2), np.float32)},
-              r"unexpected \['attention_mask'\]"),
+    "extra": (
+        {"hidden_states": np.zeros((1, 2, 12), np.float32), "attention_mask": np.ones((1, 2), np.float32)},
+        r"unexpected \['attention_mask'\]",
+    ),
     "empty": ({"hidden_states": np.zeros((1, 0, 12), np.float32)}, r"'hidden_states'.*axis 1.*empty"),
     "NaN": ({"hidden_states": np.full((1, 2, 12), np.nan, np.float32)}, r"'hidden_states'.*non-finite"),
     "Inf": ({"hidden_states": np.full((1, 2, 12), -np.inf, np.float32)}, r"'hidden_states'.*non-finite"),
@@ -123,7 +125,9 @@ def test_cuda_backend_unavailable_on_cpu_machine(exported):
 @pytest.mark.skipif(CUDA_AVAILABLE, reason="CUDAExecutionProvider is available here")
 def test_session_loader_refuses_missing_provider_without_fallback(exported):
     loader = SessionLoader(exported("block-small").model_path, "CUDAExecutionProvider")
-    with pytest.raises(BackendUnavailableError, match="CUDAExecutionProvider.*available providers: .*CPUExecutionProvider"):
+    with pytest.raises(
+        BackendUnavailableError, match="CUDAExecutionProvider.*available providers: .*CPUExecutionProvider"
+    ):
         loader()
 
 

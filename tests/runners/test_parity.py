@@ -20,25 +20,51 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from artifact import MANIFEST_FILE
+from artifact.errors import InputError
 from exporters.onnx_export import export_model
+from models.artifacts import open_artifact
 from models.llama import LlamaConfig, ProbedBlockConfig
+from models.presets import get_preset
 from models.registry import build_model
 from runners.registry import create_runner
-from artifact import MANIFEST_FILE
-from models.artifacts import open_artifact
 from toolkit.check.crosscheck import cross_check, graph_feed
-from models.presets import get_preset
-from artifact.errors import InputError
 
 RANDOM_CONFIGS = {
     # post-norm block, grouped-query attention, Hugging Face ("half") RoPE pairing, eps = 0
-    "block-post-gqa-half": ("block", 11, ProbedBlockConfig(
-        width=8, heads=4, kv_heads=2, ff_width=12, max_positions=10, rope_pairing="half", norm_placement="post",
-        probe_width=3, eps=0.0, rope_base=100.0)),
+    "block-post-gqa-half": (
+        "block",
+        11,
+        ProbedBlockConfig(
+            width=8,
+            heads=4,
+            kv_heads=2,
+            ff_width=12,
+            max_positions=10,
+            rope_pairing="half",
+            norm_placement="post",
+            probe_width=3,
+            eps=0.0,
+            rope_base=100.0,
+        ),
+    ),
     # untied stacked decoder, multi-query attention (1 KV head), half pairing
-    "llama-untied-mqa-half": ("llama", 5, LlamaConfig(
-        vocab_size=13, layers=2, width=8, heads=2, kv_heads=1, ff_width=10, max_positions=9, rope_pairing="half",
-        tie_embeddings=False, rope_base=500.0)),
+    "llama-untied-mqa-half": (
+        "llama",
+        5,
+        LlamaConfig(
+            vocab_size=13,
+            layers=2,
+            width=8,
+            heads=2,
+            kv_heads=1,
+            ff_width=10,
+            max_positions=9,
+            rope_pairing="half",
+            tie_embeddings=False,
+            rope_base=500.0,
+        ),
+    ),
 }
 # The two presets cover the remaining legs: a pre-norm block and a tied, interleaved-RoPE decoder.
 PRESET_CASES = {"block-small": "block-small", "decoder-small": "decoder-small"}
@@ -181,18 +207,22 @@ def corrupt_weight(source: Path, target: Path, weight: str) -> None:
     (target / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("case,weight,stage", [
-    ("block-small", "block.0.attention_norm.weight", "block.0.attention_norm"),
-    ("block-small", "block.0.attention.k_proj.weight", "block.0.attention_weights"),
-    ("block-small", "block.0.attention.v_proj.weight", "block.0.attention_branch"),  # probabilities unaffected
-    ("block-small", "block.0.feed_forward.up_proj.weight", "block.0.feed_forward_branch"),
-    ("block-small", "probe", "logits"),
-    # post-norm: the attention norm comes after the attention stages, which must still pass
-    ("block-post-gqa-half", "block.0.attention_norm.weight", "block.0.attention_norm"),
-    ("block-post-gqa-half", "block.0.feed_forward.down_proj.weight", "block.0.feed_forward_branch"),
-    ("decoder-small", "block.1.attention.q_proj.weight", "block.1.attention_weights"),
-    ("decoder-small", "final_norm.weight", "final_norm"),
-], indirect=["case"])
+@pytest.mark.parametrize(
+    "case,weight,stage",
+    [
+        ("block-small", "block.0.attention_norm.weight", "block.0.attention_norm"),
+        ("block-small", "block.0.attention.k_proj.weight", "block.0.attention_weights"),
+        ("block-small", "block.0.attention.v_proj.weight", "block.0.attention_branch"),  # probabilities unaffected
+        ("block-small", "block.0.feed_forward.up_proj.weight", "block.0.feed_forward_branch"),
+        ("block-small", "probe", "logits"),
+        # post-norm: the attention norm comes after the attention stages, which must still pass
+        ("block-post-gqa-half", "block.0.attention_norm.weight", "block.0.attention_norm"),
+        ("block-post-gqa-half", "block.0.feed_forward.down_proj.weight", "block.0.feed_forward_branch"),
+        ("decoder-small", "block.1.attention.q_proj.weight", "block.1.attention_weights"),
+        ("decoder-small", "final_norm.weight", "final_norm"),
+    ],
+    indirect=["case"],
+)
 def test_corrupted_weight_fails_at_the_first_downstream_stage(case, weight, stage, tmp_path):
     artifact = case[0]
     target = tmp_path / "corrupted"

@@ -11,13 +11,12 @@ import onnx
 import pytest
 import torch
 
+from artifact import MANIFEST_FILE, MODEL_FILE
+from artifact.errors import InputError, ModelFileError
+from models.artifacts import artifact_config, open_artifact
+from models.presets import get_preset
 from runners.reference import ReferenceRunner
 from runners.registry import create_runner
-from artifact import MANIFEST_FILE, MODEL_FILE
-from models.artifacts import open_artifact
-from models.presets import get_preset
-from artifact.errors import InputError, ModelFileError
-from models.artifacts import artifact_config
 
 
 def float64_oracle(preset: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -67,18 +66,22 @@ def test_runner_from_an_in_memory_proto(exported):
     x = np.random.default_rng(1).standard_normal((1, 3, 12)).astype(np.float32)
     out = runner.run({"hidden_states": x})
     assert list(out) == ["logits"]
-    np.testing.assert_allclose(out["logits"], float64_oracle("block-small", {"hidden_states": x})["logits"],
-                               rtol=0, atol=5e-4)
+    np.testing.assert_allclose(
+        out["logits"], float64_oracle("block-small", {"hidden_states": x})["logits"], rtol=0, atol=5e-4
+    )
 
 
-@pytest.mark.parametrize("feed,pattern", [
-    ({"hidden_states": np.zeros((1, 2, 12), np.float64)}, r"'hidden_states'.*float32.*float64"),
-    ({"hidden_states": np.zeros((1, 2, 12, 1), np.float32)}, r"'hidden_states'.*rank 3.*rank 4"),
-    ({"hidden_states": np.zeros((1, 2, 13), np.float32)}, r"'hidden_states'.*12.*13"),
-    ({"x": np.zeros((1, 2, 12), np.float32)}, r"missing \['hidden_states'\].*unexpected \['x'\]"),
-    ({"hidden_states": np.full((1, 2, 12), np.nan, np.float32)}, r"'hidden_states'.*non-finite"),
-    ({"hidden_states": np.zeros((1, 40, 12), np.float32)}, r"'hidden_states'.*40.*max_positions=32"),
-])
+@pytest.mark.parametrize(
+    "feed,pattern",
+    [
+        ({"hidden_states": np.zeros((1, 2, 12), np.float64)}, r"'hidden_states'.*float32.*float64"),
+        ({"hidden_states": np.zeros((1, 2, 12, 1), np.float32)}, r"'hidden_states'.*rank 3.*rank 4"),
+        ({"hidden_states": np.zeros((1, 2, 13), np.float32)}, r"'hidden_states'.*12.*13"),
+        ({"x": np.zeros((1, 2, 12), np.float32)}, r"missing \['hidden_states'\].*unexpected \['x'\]"),
+        ({"hidden_states": np.full((1, 2, 12), np.nan, np.float32)}, r"'hidden_states'.*non-finite"),
+        ({"hidden_states": np.zeros((1, 40, 12), np.float32)}, r"'hidden_states'.*40.*max_positions=32"),
+    ],
+)
 def test_bad_feed_never_reaches_the_evaluator(exported, monkeypatch, feed, pattern):
     runner = create_runner("onnx-reference", exported("block-small"))
     monkeypatch.setattr(runner, "evaluator", ForbiddenEvaluator())

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="bash is no
 
 def run(*args, **env):
     environment = dict(os.environ, PYTHON=sys.executable, **env)
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=environment)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=environment
+    )
 
 
 def test_script_is_executable_and_parses():
@@ -35,8 +36,10 @@ def test_dry_run_prints_every_step_with_a_timeout_and_writes_nothing(tmp_path):
     for preset in ("worked-example", "decoder-small"):
         for dtype in ("float32", "float16"):
             assert f"export --preset {preset} --dtype {dtype} --out {out}/artifacts/{preset}-{dtype}" in text
-            assert (f"check {out}/artifacts/{preset}-{dtype} --backends eager\\,eager-cuda\\,ort-cpu\\,ort-cuda "
-                    f"--json {out}/check-{preset}-{dtype}.json") in text
+            assert (
+                f"check {out}/artifacts/{preset}-{dtype} --backends eager\\,eager-cuda\\,ort-cpu\\,ort-cuda "
+                f"--json {out}/check-{preset}-{dtype}.json"
+            ) in text
     assert "nvidia-smi" in text and "SmolLM2" in result.stdout and "not installed" in result.stdout
     # `toolkit bench` exists, so the GPU bench step must be planned, not skipped.
     assert "bench" in text and "--backends ort-cuda\\,eager-cuda --batch 1\\,8" in text
@@ -59,8 +62,9 @@ def test_default_output_directory_is_dated_under_benchmarks_results():
     assert "benchmarks/results/gpu-20" in result.stdout
 
 
-@pytest.mark.parametrize("args,message", [(["--frobnicate"], "unknown option --frobnicate"),
-                                          (["a", "b"], "one OUT_DIR only")])
+@pytest.mark.parametrize(
+    "args,message", [(["--frobnicate"], "unknown option --frobnicate"), (["a", "b"], "one OUT_DIR only")]
+)
 def test_usage_errors_exit_2(args, message):
     result = run(*args)
     assert result.returncode == 2 and message in result.stderr

@@ -16,13 +16,20 @@ import torch
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-from models.worked_example import build_worked_example, worked_example_inputs
 from artifact import MANIFEST_FILE, MODEL_FILE
+from models.worked_example import build_worked_example, worked_example_inputs
 from toolkit.cli import main
 
 CUDA_AVAILABLE = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
-PRE_NORM = ["attention_norm", "attention_weights", "attention_branch", "after_attention",
-            "feed_forward_norm", "feed_forward_branch", "output"]
+PRE_NORM = [
+    "attention_norm",
+    "attention_weights",
+    "attention_branch",
+    "after_attention",
+    "feed_forward_norm",
+    "feed_forward_branch",
+    "output",
+]
 BLOCK_STAGES = [f"block.0.{s}" for s in PRE_NORM] + ["logits"]
 DEFAULT_BACKENDS = ["eager", "ort-cpu", "onnx-reference"]
 
@@ -154,7 +161,9 @@ def test_export_then_inspect_shows_functions_and_parameters(worked_dir):
     # d = 4, d_ff = 4: two gains 2*4 + Q, K, V, O 4*16 + gate, up, down 3*16 = 120 (the probe is a fixed buffer)
     assert "parameters: 120" in result.stdout
     as_json = json.loads(invoke("inspect", worked_dir, "--format", "json").stdout)
-    functions = as_json["functions"] if "functions" in as_json else [f for g in as_json["graphs"] for f in g["functions"]]
+    functions = (
+        as_json["functions"] if "functions" in as_json else [f for g in as_json["graphs"] for f in g["functions"]]
+    )
     assert sorted(f["name"] for f in functions) == ["onnx_toolkit::RMSNorm", "onnx_toolkit::SwiGLU"]
     assert as_json["parameters"]["total"] == 120
 
@@ -241,8 +250,11 @@ def test_unknown_backend_in_run(block_dir):
 @pytest.mark.skipif(CUDA_AVAILABLE, reason="CUDAExecutionProvider is available here, so ort-cuda is not unavailable")
 @pytest.mark.parametrize("command", ["check", "run"])
 def test_unavailable_backend(command, block_dir):
-    args = ["check", block_dir, "--backends", "ort-cuda"] if command == "check" else \
-        ["run", block_dir, "--backend", "ort-cuda"]
+    args = (
+        ["check", block_dir, "--backends", "ort-cuda"]
+        if command == "check"
+        else ["run", block_dir, "--backend", "ort-cuda"]
+    )
     assert_user_error(invoke(*args), "ort-cuda", "not available", "ort-cpu")
 
 
@@ -260,15 +272,18 @@ def test_corrupt_artifact_is_a_user_error(block_dir, tmp_path):
     assert_user_error(invoke("inspect", bad), "sha256")
 
 
-@pytest.mark.parametrize("text,fragments", [
-    ('{"family": "llama", "config": {', ["invalid JSON", "line"]),
-    ('{"family": "llama", "config": {"widht": 16}}', ["widht"]),
-    ('{"family": "llama", "config": {"width": 16, "heads": 3}}', ["heads"]),
-    ('{"family": "llama", "config": {"vocab_size": -4}}', ["vocab_size", "-4"]),
-    ('{"family": "llama", "config": {"tie_embeddings": "yes"}}', ["tie_embeddings"]),
-    ('{"family": "transformer-xl", "config": {}}', ["transformer-xl"]),
-    ('{"family": "llama", "config": {}, "sede": 3}', ["sede"]),
-])
+@pytest.mark.parametrize(
+    "text,fragments",
+    [
+        ('{"family": "llama", "config": {', ["invalid JSON", "line"]),
+        ('{"family": "llama", "config": {"widht": 16}}', ["widht"]),
+        ('{"family": "llama", "config": {"width": 16, "heads": 3}}', ["heads"]),
+        ('{"family": "llama", "config": {"vocab_size": -4}}', ["vocab_size", "-4"]),
+        ('{"family": "llama", "config": {"tie_embeddings": "yes"}}', ["tie_embeddings"]),
+        ('{"family": "transformer-xl", "config": {}}', ["transformer-xl"]),
+        ('{"family": "llama", "config": {}, "sede": 3}', ["sede"]),
+    ],
+)
 def test_invalid_config_file(tmp_path, text, fragments):
     config = tmp_path / "model.json"
     config.write_text(text)
@@ -286,8 +301,9 @@ def test_config_file_with_non_string_family(tmp_path):
 def test_inputs_with_wrong_dtype(block_dir, tmp_path):
     inputs = tmp_path / "in.npz"
     np.savez(inputs, hidden_states=np.zeros((1, 3, 12), np.float64))
-    assert_user_error(invoke("run", block_dir, "--backend", "ort-cpu", "--inputs", inputs),
-                      "hidden_states", "float32", "float64")
+    assert_user_error(
+        invoke("run", block_dir, "--backend", "ort-cpu", "--inputs", inputs), "hidden_states", "float32", "float64"
+    )
 
 
 def test_inputs_file_that_is_not_npz(block_dir, tmp_path):

@@ -16,13 +16,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.toolkit.test_cli import assert_user_error, invoke
 from tests.optional import import_or_skip
+from tests.toolkit.test_cli import assert_user_error, invoke
 
 transformers = import_or_skip("transformers", reason="transformers (the oracle) is a test extra")
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 PROMPT = "the quick brown fox"
 
 
@@ -48,21 +50,33 @@ def checkpoint(tmp_path_factory):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"], show_progress=False
+    )
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world"] * 10, trainer)
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48, rope_theta=500.0,
-        tie_word_embeddings=False, attn_implementation="eager", bos_token_id=None, eos_token_id=None,
-        pad_token_id=None)
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=48,
+        rope_theta=500.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     model = randomize(transformers.LlamaForCausalLM(config), 0)
     directory = tmp_path_factory.mktemp("cli-lm") / "hf"
     model.save_pretrained(directory)
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE})
+    )
     return directory, model, tok
 
 
@@ -106,8 +120,11 @@ def test_export_writes_tokenizer_and_source(artifact_dir, checkpoint):
         assert hashlib.sha256((artifact_dir / name).read_bytes()).hexdigest() == digest
     config = json.loads((artifact_dir / "tokenizer_config.json").read_text())
     tok = checkpoint[2]
-    assert (config["bos_id"], config["eos_id"], config["add_bos"]) == \
-        (tok.token_to_id("<s>"), tok.token_to_id("</s>"), True)
+    assert (config["bos_id"], config["eos_id"], config["add_bos"]) == (
+        tok.token_to_id("<s>"),
+        tok.token_to_id("</s>"),
+        True,
+    )
 
 
 @pytest.mark.parametrize("backend", ["ort-cpu", "eager", "onnx-reference"])
@@ -115,8 +132,9 @@ def test_generate_prints_the_transformers_greedy_continuation(artifact_dir, chec
     _, model, tok = checkpoint
     ids = [tok.token_to_id("<s>")] + tok.encode(PROMPT).ids
     tokens = hf_greedy(model, ids, 5, tok.token_to_id("</s>"))
-    text, summary = generated(invoke("generate", artifact_dir, "--prompt", PROMPT, "--max-new-tokens", 5,
-                                     "--backend", backend))
+    text, summary = generated(
+        invoke("generate", artifact_dir, "--prompt", PROMPT, "--max-new-tokens", 5, "--backend", backend)
+    )
     assert text == tok.decode(tokens, skip_special_tokens=True)
     finish = "stop" if tokens[-1] == tok.token_to_id("</s>") else "length"
     assert summary.startswith(f"[{len(tokens)} tokens, finish: {finish}, prompt {len(ids)} tokens")
@@ -128,8 +146,7 @@ def test_generate_with_the_chat_template(artifact_dir, checkpoint):
     ids = [tok.token_to_id("<s>")] + tok.encode(f"<|user|>{PROMPT}</s><|assistant|>").ids
     assert tok.token_to_id("<|assistant|>") in ids  # the markers are single special tokens
     tokens = hf_greedy(model, ids, 6, tok.token_to_id("</s>"))
-    text, summary = generated(invoke("generate", artifact_dir, "--chat", "--prompt", PROMPT,
-                                     "--max-new-tokens", 6))
+    text, summary = generated(invoke("generate", artifact_dir, "--chat", "--prompt", PROMPT, "--max-new-tokens", 6))
     assert text == tok.decode(tokens, skip_special_tokens=True)
     assert f"prompt {len(ids)} tokens" in summary
 
@@ -146,8 +163,9 @@ def test_run_with_only_input_ids_fills_an_empty_cache(artifact_dir, checkpoint, 
     _, model, tok = checkpoint
     ids = np.random.default_rng(0).integers(0, tok.get_vocab_size(), (2, 7)).astype(np.int64)
     np.savez(tmp_path / "ids.npz", input_ids=ids)
-    result = invoke("run", artifact_dir, "--backend", "ort-cpu", "--inputs", tmp_path / "ids.npz",
-                    "--save", tmp_path / "out.npz")
+    result = invoke(
+        "run", artifact_dir, "--backend", "ort-cpu", "--inputs", tmp_path / "ids.npz", "--save", tmp_path / "out.npz"
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     with np.load(tmp_path / "out.npz") as data:
         out = dict(data)
@@ -179,24 +197,32 @@ def test_decode_steps_on_a_stages_artifact_is_a_user_error(exported):
 
 def test_generate_without_a_tokenizer_is_a_user_error(exported):
     directory = exported("decoder-small", "serving").directory
-    assert_user_error(invoke("generate", directory, "--prompt", "hi"), "no tokenizer in the artifact",
-                      "export a checkpoint with --from")
+    assert_user_error(
+        invoke("generate", directory, "--prompt", "hi"),
+        "no tokenizer in the artifact",
+        "export a checkpoint with --from",
+    )
 
 
 def test_export_from_a_bad_path_is_a_user_error(tmp_path, checkpoint):
     assert_user_error(invoke("export", "--from", tmp_path / "nope", "--out", tmp_path / "a"), "no such checkpoint")
     (tmp_path / "empty").mkdir()
     assert_user_error(invoke("export", "--from", tmp_path / "empty", "--out", tmp_path / "b"), "missing config.json")
-    assert_user_error(invoke("export", "--from", checkpoint[0], "--preset", "decoder-small", "--out", tmp_path / "c"),
-                      "give --from on its own")
+    assert_user_error(
+        invoke("export", "--from", checkpoint[0], "--preset", "decoder-small", "--out", tmp_path / "c"),
+        "give --from on its own",
+    )
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
-@pytest.mark.parametrize("option,value,fragment", [
-    ("--temperature", -1, "Invalid value for '--temperature'"),
-    ("--top-p", 0, "Invalid value for '--top-p'"),
-    ("--max-new-tokens", 0, "Invalid value for '--max-new-tokens'"),
-])
+@pytest.mark.parametrize(
+    "option,value,fragment",
+    [
+        ("--temperature", -1, "Invalid value for '--temperature'"),
+        ("--top-p", 0, "Invalid value for '--top-p'"),
+        ("--max-new-tokens", 0, "Invalid value for '--max-new-tokens'"),
+    ],
+)
 def test_generate_option_ranges_are_usage_errors(artifact_dir, option, value, fragment):
     result = invoke("generate", artifact_dir, "--prompt", "hi", option, value)
     assert result.exit_code == 2, result.output

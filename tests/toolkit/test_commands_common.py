@@ -11,8 +11,8 @@ import pytest
 from numpy.lib import format as npy
 
 from artifact import MAX_MODEL_BYTES_ENV
-from toolkit.commands.common import load_npz
 from artifact.errors import InputError
+from toolkit.commands.common import load_npz
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -42,19 +42,25 @@ def _with_shape(data: bytes, shape) -> bytes:
     header = {"descr": "<f8", "fortran_order": False, "shape": shape}
     buffer = io.BytesIO()
     npy.write_array_header_1_0(buffer, header)
-    return buffer.getvalue() + data[len(data) - 8:]
+    return buffer.getvalue() + data[len(data) - 8 :]
 
 
 CASES = {
     "not a zip": (lambda p: p.write_bytes(b"not a zip at all"), r"not a readable \.npz"),
     "truncated zip": (lambda p: p.write_bytes(np_savez_bytes()[:40]), r"not a readable \.npz"),
-    "pickled objects": (lambda p: write_zip(p, {"x.npy": npy_bytes(np.array([{"a": 1}], dtype=object))}),
-                        r"member 'x\.npy': holds Python objects"),
-    "header lies about the size": (lambda p: write_zip(p, {"x.npy": _with_shape(npy_bytes(np.zeros(1)), (2**40,))}),
-                                   r"header declares shape \(1099511627776,\) of float64 .* holds 136"),
+    "pickled objects": (
+        lambda p: write_zip(p, {"x.npy": npy_bytes(np.array([{"a": 1}], dtype=object))}),
+        r"member 'x\.npy': holds Python objects",
+    ),
+    "header lies about the size": (
+        lambda p: write_zip(p, {"x.npy": _with_shape(npy_bytes(np.zeros(1)), (2**40,))}),
+        r"header declares shape \(1099511627776,\) of float64 .* holds 136",
+    ),
     "not an array member": (lambda p: write_zip(p, {"notes.txt": b"hi"}), r"member 'notes\.txt' is not a \.npy"),
-    "unknown npy version": (lambda p: write_zip(p, {"x.npy": b"\x93NUMPY\x09\x00junk"}),
-                            r"\.npy format version \(9, 0\) is not supported"),
+    "unknown npy version": (
+        lambda p: write_zip(p, {"x.npy": b"\x93NUMPY\x09\x00junk"}),
+        r"\.npy format version \(9, 0\) is not supported",
+    ),
 }
 
 

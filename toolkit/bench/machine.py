@@ -73,9 +73,13 @@ def _ort_gemv(threads: int, buffer_bytes: int):
     rows = 1024  # K: a weight of shape [K, N], read once per call
     cols = max(buffer_bytes // 4 // rows, 1)
     weight = numpy_helper.from_array(np.ones((rows, cols), dtype=np.float32), "w")
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "read_bandwidth",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])], [weight])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "read_bandwidth",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
+        [weight],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
@@ -88,8 +92,13 @@ def machine_info(threads: int, read_bandwidth_gbs: float, probes: dict | None = 
     import onnx
     import torch
 
-    versions = {"python": platform.python_version(), "toolkit": TOOLKIT_VERSION, "torch": torch.__version__,
-                "onnx": onnx.__version__, "numpy": np.__version__}
+    versions = {
+        "python": platform.python_version(),
+        "toolkit": TOOLKIT_VERSION,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "numpy": np.__version__,
+    }
     try:
         import onnxruntime
 
@@ -97,10 +106,16 @@ def machine_info(threads: int, read_bandwidth_gbs: float, probes: dict | None = 
     except ImportError:
         versions["onnxruntime"] = "not installed"
     # The load average says whether other work shared the cores during the run (then every figure is low).
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
-            "read_bandwidth_gbs": read_bandwidth_gbs, "read_bandwidth_probes_gbs": probes or {},
-            "load_average": list(os.getloadavg()),
-            "platform": platform.platform(), "versions": versions}
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "read_bandwidth_gbs": read_bandwidth_gbs,
+        "read_bandwidth_probes_gbs": probes or {},
+        "load_average": list(os.getloadavg()),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
 
 
 def cpu_name() -> str:

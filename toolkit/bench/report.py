@@ -30,9 +30,18 @@ def write_png(report: dict, path: str | Path) -> None:
     for position, batch in enumerate(batches):
         bounds = [r["decode_bound_tokens_per_s"] for r in results if r["batch"] == batch and r["bits"] is None]
         if bounds:
-            decode_axis.hlines(max(bounds), position - width / 2, position + 0.8 - width / 2, colors="k",
-                               linestyles="dashed", label="float32 bandwidth bound" if position == 0 else None)
-    for axis, title in ((decode_axis, "decode tokens/s (higher is better)"), (prefill_axis, "prefill ms (lower is better)")):
+            decode_axis.hlines(
+                max(bounds),
+                position - width / 2,
+                position + 0.8 - width / 2,
+                colors="k",
+                linestyles="dashed",
+                label="float32 bandwidth bound" if position == 0 else None,
+            )
+    for axis, title in (
+        (decode_axis, "decode tokens/s (higher is better)"),
+        (prefill_axis, "prefill ms (lower is better)"),
+    ):
         axis.set_xticks([b + 0.4 - width / 2 for b in range(len(batches))], [f"batch {b}" for b in batches])
         axis.set_title(title)
     decode_axis.legend(fontsize=7)
@@ -48,15 +57,20 @@ def write_png(report: dict, path: str | Path) -> None:
 def bench_table(report: dict) -> str:
     machine = report["machine"]
     load = machine.get("load_average") or [float("nan")]
-    lines = [f"machine: {machine['cpu']}, {machine['threads']} threads, measured read bandwidth "
-             f"{machine['read_bandwidth_gbs']:.1f} GB/s, load average {load[0]:.1f} at the end; onnxruntime "
-             f"{machine['versions']['onnxruntime']}, torch {machine['versions']['torch']}",
-             f"{'backend':<44} {'batch':>5} {'prefill ms (min-max)':>24} {'decode tok/s (min-max)':>26} "
-             f"{'bound':>8} {'of bound':>8} {'peak RSS MB':>11}"]
+    lines = [
+        f"machine: {machine['cpu']}, {machine['threads']} threads, measured read bandwidth "
+        f"{machine['read_bandwidth_gbs']:.1f} GB/s, load average {load[0]:.1f} at the end; onnxruntime "
+        f"{machine['versions']['onnxruntime']}, torch {machine['versions']['torch']}",
+        f"{'backend':<44} {'batch':>5} {'prefill ms (min-max)':>24} {'decode tok/s (min-max)':>26} "
+        f"{'bound':>8} {'of bound':>8} {'peak RSS MB':>11}",
+    ]
     for r in report["results"]:
         prefill = f"{r['prefill_ms']:.1f} ({r['prefill_ms_min']:.1f}-{r['prefill_ms_max']:.1f})"
-        decode = (f"{r['decode_tokens_per_s']:.1f} ({r['decode_tokens_per_s_min']:.1f}-"
-                  f"{r['decode_tokens_per_s_max']:.1f})")
-        lines.append(f"{label(r):<44} {r['batch']:>5} {prefill:>24} {decode:>26} "
-                     f"{r['decode_bound_tokens_per_s']:>8.1f} {r['bandwidth_fraction']:>8.0%} {r['peak_rss_mb']:>11.0f}")
+        decode = (
+            f"{r['decode_tokens_per_s']:.1f} ({r['decode_tokens_per_s_min']:.1f}-{r['decode_tokens_per_s_max']:.1f})"
+        )
+        lines.append(
+            f"{label(r):<44} {r['batch']:>5} {prefill:>24} {decode:>26} "
+            f"{r['decode_bound_tokens_per_s']:>8.1f} {r['bandwidth_fraction']:>8.0%} {r['peak_rss_mb']:>11.0f}"
+        )
     return "\n".join(lines)

@@ -38,8 +38,9 @@ def _check_npz_members(path: Path, limit: int) -> None:
         members = archive.infolist()
         total = sum(info.file_size for info in members)
         if total > limit:
-            raise InputError(f"{path}: members unpack to {total:,} bytes, above the limit of {limit:,} "
-                             "($TOOLKIT_MAX_MODEL_BYTES)")
+            raise InputError(
+                f"{path}: members unpack to {total:,} bytes, above the limit of {limit:,} ($TOOLKIT_MAX_MODEL_BYTES)"
+            )
         for info in members:
             where = f"{path}: member {info.filename!r:.80}"
             if not info.filename.endswith(".npy"):
@@ -54,8 +55,10 @@ def _check_npz_members(path: Path, limit: int) -> None:
                     raise InputError(f"{where}: holds Python objects (dtype {dtype}); only plain arrays are read")
                 needed = member.tell() + math.prod(shape) * dtype.itemsize
             if needed != info.file_size:
-                raise InputError(f"{where}: header declares shape {shape} of {dtype} ({needed:,} bytes with the "
-                                 f"header) but the member holds {info.file_size:,}")
+                raise InputError(
+                    f"{where}: header declares shape {shape} of {dtype} ({needed:,} bytes with the "
+                    f"header) but the member holds {info.file_size:,}"
+                )
 
 
 def split_backends(value: str) -> list[str]:

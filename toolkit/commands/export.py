@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
+from artifact.errors import ConfigError
 from exporters.lowerings import DEFAULT_LOWERING, LOWERINGS
 from exporters.onnx_export import VARIANTS, export_model
 from models.presets import get_preset, load_config_file
-from artifact.errors import ConfigError
 
 
 def resolve_model(preset: str | None, config: str | None):
@@ -25,23 +25,50 @@ def resolve_model(preset: str | None, config: str | None):
 @click.command("export")
 @click.option("--preset", help="Named preset (see `toolkit presets`); default: worked-example.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="JSON file: {family, seed, config}.")
-@click.option("--from", "checkpoint", type=click.Path(),
-              help="Import a checkpoint: a Hugging Face directory (llama, gpt2) or a GGUF file (llama).")
-@click.option("--variant", type=click.Choice(VARIANTS),
-              help="stages: every stage as an output (default for presets); serving: logits only, or for "
-                   "language models the KV-cache graph (default with --from).")
+@click.option(
+    "--from",
+    "checkpoint",
+    type=click.Path(),
+    help="Import a checkpoint: a Hugging Face directory (llama, gpt2) or a GGUF file (llama).",
+)
+@click.option(
+    "--variant",
+    type=click.Choice(VARIANTS),
+    help="stages: every stage as an output (default for presets); serving: logits only, or for "
+    "language models the KV-cache graph (default with --from).",
+)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Artifact directory to write.")
-@click.option("--triton-repo", type=click.Path(file_okay=False),
-              help="Also write a Triton model repository (onnxruntime backend) here.")
-@click.option("--triton-device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
-              help="Instance group kind in the Triton config.")
+@click.option(
+    "--triton-repo",
+    type=click.Path(file_okay=False),
+    help="Also write a Triton model repository (onnxruntime backend) here.",
+)
+@click.option(
+    "--triton-device",
+    type=click.Choice(["cpu", "gpu"]),
+    default="cpu",
+    show_default=True,
+    help="Instance group kind in the Triton config.",
+)
 @click.option("--triton-instances", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--lowering", type=click.Choice(LOWERINGS), default=DEFAULT_LOWERING, show_default=True,
-              help="functions: portable custom ops with function bodies; standard: ONNX opset 23 RMSNormalization/"
-                   "RotaryEmbedding/Attention; ort: ONNX Runtime's fused com.microsoft kernels.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
-              help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32.")
-def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, triton_device, triton_instances, dtype, lowering):
+@click.option(
+    "--lowering",
+    type=click.Choice(LOWERINGS),
+    default=DEFAULT_LOWERING,
+    show_default=True,
+    help="functions: portable custom ops with function bodies; standard: ONNX opset 23 RMSNormalization/"
+    "RotaryEmbedding/Attention; ort: ONNX Runtime's fused com.microsoft kernels.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32.",
+)
+def command(
+    preset, config_file, checkpoint, variant, out_dir, triton_repo, triton_device, triton_instances, dtype, lowering
+):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
     if checkpoint:
         if preset or config_file:
@@ -50,23 +77,44 @@ def command(preset, config_file, checkpoint, variant, out_dir, triton_repo, trit
 
         imported = import_checkpoint(checkpoint)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
-        artifact = export_model(imported.model, imported.family, imported.config, out_dir,
-                                variant=variant or "serving", source=imported.source, extra_files=extra, lowering=lowering,
-                                dtype=dtype)
+        artifact = export_model(
+            imported.model,
+            imported.family,
+            imported.config,
+            out_dir,
+            variant=variant or "serving",
+            source=imported.source,
+            extra_files=extra,
+            lowering=lowering,
+            dtype=dtype,
+        )
         label = f"{checkpoint} ({imported.source['format']} {imported.source['architecture']})"
     else:
         spec, name = resolve_model(preset, config_file)
-        artifact = export_model(spec.build(), spec.family, spec.config, out_dir, variant=variant or "stages",
-                                preset=name, seed=spec.seed, lowering=lowering, dtype=dtype)
+        artifact = export_model(
+            spec.build(),
+            spec.family,
+            spec.config,
+            out_dir,
+            variant=variant or "stages",
+            preset=name,
+            seed=spec.seed,
+            lowering=lowering,
+            dtype=dtype,
+        )
         label = name or spec.name
     precision = "" if dtype == "float32" else f", {dtype}"
     click.echo(f"exported {label} ({artifact.family}, {artifact.variant}{precision}) to {out_dir}:")
     if lowering != DEFAULT_LOWERING:
-        click.echo(f"  lowering {lowering}: " + "; ".join(
-            f"{g.model_path.name} attention {g.entry.attention_op}" for g in artifact.graphs))
+        click.echo(
+            f"  lowering {lowering}: "
+            + "; ".join(f"{g.model_path.name} attention {g.entry.attention_op}" for g in artifact.graphs)
+        )
     for graph in artifact.graphs:
-        click.echo(f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
-                   f"{', '.join(graph.entry.custom_ops) or 'none'}, sha256 {graph.entry.sha256[:12]}")
+        click.echo(
+            f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
+            f"{', '.join(graph.entry.custom_ops) or 'none'}, sha256 {graph.entry.sha256[:12]}"
+        )
     if triton_repo:
         from exporters.triton import write_triton_repo
 

@@ -35,9 +35,18 @@ def command(artifact_dir, prompt, chat, max_new_tokens, temperature, top_k, top_
             click.echo(delta, nl=False)
 
     stop = tuple(t for t in (tokenizer.eos_id,) if t is not None)
-    result = generate(lm, prompt_ids, max_new_tokens=max_new_tokens,
-                      sampling=Sampling(temperature, top_k, top_p, seed), stop_ids=stop, on_token=stream)
+    result = generate(
+        lm,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=Sampling(temperature, top_k, top_p, seed),
+        stop_ids=stop,
+        on_token=stream,
+    )
     click.echo(text.flush())
-    click.echo(f"[{len(result.tokens)} tokens, finish: {result.finish_reason}, prompt {len(prompt_ids)} tokens "
-               f"prefill {result.prefill_seconds * 1e3:.0f} ms, decode {result.decode_tokens_per_second:.1f} tokens/s "
-               f"on {backend}]", err=True)
+    click.echo(
+        f"[{len(result.tokens)} tokens, finish: {result.finish_reason}, prompt {len(prompt_ids)} tokens "
+        f"prefill {result.prefill_seconds * 1e3:.0f} ms, decode {result.decode_tokens_per_second:.1f} tokens/s "
+        f"on {backend}]",
+        err=True,
+    )

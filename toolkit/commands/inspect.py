@@ -27,8 +27,10 @@ def command(path, batch, seq_len, fmt):
     manifest = info["manifest"]
     click.echo(f"{info['path']}: family {info['family']}, variant {info['variant']}, preset {manifest.get('preset')}")
     for graph in info["graphs"]:
-        click.echo(f"graph {graph['name']} ({graph['file']}), opsets "
-                   + ", ".join(f"{d} {v}" for d, v in graph["opset_imports"].items()))
+        click.echo(
+            f"graph {graph['name']} ({graph['file']}), opsets "
+            + ", ".join(f"{d} {v}" for d, v in graph["opset_imports"].items())
+        )
         click.echo("  inputs:")
         for spec in graph["inputs"]:
             click.echo(f"    {spec['name']:<40} {spec['dtype']:<8} {_shape(spec['shape'])}")
@@ -38,12 +40,16 @@ def command(path, batch, seq_len, fmt):
         click.echo("  op histogram: " + ", ".join(f"{op} x{n}" for op, n in graph["op_histogram"].items()))
         click.echo("  custom functions:")
         for fn in graph["functions"]:
-            click.echo(f"    {fn['name']}({', '.join(fn['inputs'])}) attrs {fn['attributes']}: {fn['nodes']} nodes, "
-                       f"opsets {fn['opset_imports']}")
+            click.echo(
+                f"    {fn['name']}({', '.join(fn['inputs'])}) attrs {fn['attributes']}: {fn['nodes']} nodes, "
+                f"opsets {fn['opset_imports']}"
+            )
         click.echo(f"  initializers: {graph['initializers']['count']} ({graph['initializers']['bytes']:,} bytes)")
     ledger = info["parameters"]
-    click.echo(f"parameters: {ledger['total']:,} in {ledger['tensor_count']} tensors; formula {ledger['formula']:,} "
-               f"(checked); bias-free: {ledger['bias_free']}")
+    click.echo(
+        f"parameters: {ledger['total']:,} in {ledger['tensor_count']} tensors; formula {ledger['formula']:,} "
+        f"(checked); bias-free: {ledger['bias_free']}"
+    )
     for group, row in ledger["groups"].items():
         click.echo(f"  {group:<20} {row['tensors']:>3} tensors {row['scalars']:>12,}")
     for tensor in ledger["tensors"]:

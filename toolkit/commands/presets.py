@@ -6,8 +6,8 @@ import json
 
 import click
 
-from models.registry import get_family
 from models.presets import PRESETS
+from models.registry import get_family
 from toolkit.explain.inspect import parameter_ledger
 
 
@@ -15,9 +15,16 @@ def preset_rows() -> list[dict]:
     rows = []
     for p in PRESETS.values():
         ledger = parameter_ledger(p.build(), p.family, p.config)  # checks the formula too
-        rows.append({"name": p.name, "family": p.family, "parameters": ledger["total"],
-                     "switches": get_family(p.family).switches(p.config), "config": p.config.to_dict(),
-                     "description": p.description})
+        rows.append(
+            {
+                "name": p.name,
+                "family": p.family,
+                "parameters": ledger["total"],
+                "switches": get_family(p.family).switches(p.config),
+                "config": p.config.to_dict(),
+                "description": p.description,
+            }
+        )
     return rows
 
 

@@ -11,10 +11,20 @@ import click
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--backend", default="ort-cpu", show_default=True, help="ort-cpu or ort-cuda (or eager).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Rows per decode step.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Waiting requests beyond the batch; more get 429 with Retry-After.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Largest max_tokens a request may ask for.")
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=32,
+    show_default=True,
+    help="Waiting requests beyond the batch; more get 429 with Retry-After.",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Largest max_tokens a request may ask for.",
+)
 def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens):
     """Serve ARTIFACT_DIR (exported with --from) with /v1/completions and /v1/chat/completions."""
     import contextlib

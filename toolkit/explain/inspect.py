@@ -7,11 +7,10 @@ from collections import Counter
 import onnx
 import torch
 
-from models.registry import get_family
 from artifact import load_onnx
-from models.artifacts import open_artifact
 from artifact.errors import ModelFileError
-from models.artifacts import artifact_config
+from models.artifacts import artifact_config, open_artifact
+from models.registry import get_family
 
 BYTES_FLOAT32 = 4
 # Training state per parameter in float32: the weight, its gradient, Adam's two moments.
@@ -46,21 +45,30 @@ def parameter_ledger(model: torch.nn.Module, family: str, config) -> dict:
 
     A mismatch raises: a ledger that disagrees with the tensors is a bug, not a warning.
     """
-    tensors = [{"name": n, "shape": list(p.shape), "scalars": p.numel(), "group": _group(n)}
-               for n, p in model.named_parameters()]
+    tensors = [
+        {"name": n, "shape": list(p.shape), "scalars": p.numel(), "group": _group(n)}
+        for n, p in model.named_parameters()
+    ]
     total = parameter_count(model)
     formula = expected_parameter_count(family, config)
     if total != formula:
-        raise ModelFileError(f"parameter ledger mismatch for {family}: formula gives {formula:,}, "
-                             f"tensors sum to {total:,}")
+        raise ModelFileError(
+            f"parameter ledger mismatch for {family}: formula gives {formula:,}, tensors sum to {total:,}"
+        )
     groups: dict[str, dict] = {}
     for tensor in tensors:
         group = groups.setdefault(tensor["group"], {"tensors": 0, "scalars": 0})
         group["tensors"] += 1
         group["scalars"] += tensor["scalars"]
     biases = [t["name"] for t in tensors if t["name"].endswith(".bias")]
-    return {"tensors": tensors, "groups": groups, "tensor_count": len(tensors), "total": total,
-            "formula": formula, "bias_free": not biases}
+    return {
+        "tensors": tensors,
+        "groups": groups,
+        "tensor_count": len(tensors),
+        "total": total,
+        "formula": formula,
+        "bias_free": not biases,
+    }
 
 
 def memory_ledger(parameters: int, config, batch: int, sequence: int) -> dict:
@@ -77,8 +85,10 @@ def memory_ledger(parameters: int, config, batch: int, sequence: int) -> dict:
         "training_state_note": "lower bound: float32 weights + gradients + Adam m + v; excludes activations",
         "batch": batch,
         "sequence": sequence,
-        "attention_scores_per_layer": {"elements": batch * heads * sequence * sequence,
-                                       "bytes": BYTES_FLOAT32 * batch * heads * sequence * sequence},
+        "attention_scores_per_layer": {
+            "elements": batch * heads * sequence * sequence,
+            "bytes": BYTES_FLOAT32 * batch * heads * sequence * sequence,
+        },
         "logits": None if vocab is None else {"elements": tokens * vocab, "bytes": BYTES_FLOAT32 * tokens * vocab},
         "training_flops_per_step_estimate": 6 * parameters * tokens,
         "flops_note": "estimate: 6 * parameters * tokens (forward + backward), ignores attention's T^2 term",
@@ -96,22 +106,31 @@ def describe(path, batch: int = 1, sequence: int | None = None) -> dict:
     for graph in artifact.graphs:
         proto = protos[graph.name]
         histogram = Counter(f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in proto.graph.node)
-        graphs.append({
-            "name": graph.name,
-            "file": str(graph.model_path),
-            "inputs": [s.to_dict() for s in graph.input_specs],
-            "outputs": [o.to_dict() for o in graph.entry.outputs],
-            "opset_imports": {o.domain or "ai.onnx": o.version for o in proto.opset_import},
-            "op_histogram": dict(histogram.most_common()),
-            "functions": [
-                {"name": f"{f.domain}::{f.name}", "inputs": list(f.input), "outputs": list(f.output),
-                 "attributes": list(f.attribute), "nodes": len(f.node),
-                 "opset_imports": {o.domain or "ai.onnx": o.version for o in f.opset_import}}
-                for f in proto.functions
-            ],
-            "initializers": {"count": len(proto.graph.initializer),
-                             "bytes": sum(onnx.numpy_helper.to_array(i).nbytes for i in proto.graph.initializer)},
-        })
+        graphs.append(
+            {
+                "name": graph.name,
+                "file": str(graph.model_path),
+                "inputs": [s.to_dict() for s in graph.input_specs],
+                "outputs": [o.to_dict() for o in graph.entry.outputs],
+                "opset_imports": {o.domain or "ai.onnx": o.version for o in proto.opset_import},
+                "op_histogram": dict(histogram.most_common()),
+                "functions": [
+                    {
+                        "name": f"{f.domain}::{f.name}",
+                        "inputs": list(f.input),
+                        "outputs": list(f.output),
+                        "attributes": list(f.attribute),
+                        "nodes": len(f.node),
+                        "opset_imports": {o.domain or "ai.onnx": o.version for o in f.opset_import},
+                    }
+                    for f in proto.functions
+                ],
+                "initializers": {
+                    "count": len(proto.graph.initializer),
+                    "bytes": sum(onnx.numpy_helper.to_array(i).nbytes for i in proto.graph.initializer),
+                },
+            }
+        )
     model = model_from_artifact(artifact, protos)
     ledger = parameter_ledger(model, artifact.family, config)
     sequence = config.max_positions if sequence is None else sequence

@@ -83,19 +83,35 @@ def worked_example_walkthrough() -> dict:
         for query in range(T):
             row = probs[0, head, query]
             masked = row[future[query]]
-            attention.append({"head": head, "query": query, "probabilities": row.tolist(),
-                              "masked_keys": future[query].nonzero().flatten().tolist(),
-                              "masked_exactly_zero": bool((masked == 0).all())})
+            attention.append(
+                {
+                    "head": head,
+                    "query": query,
+                    "probabilities": row.tolist(),
+                    "masked_keys": future[query].nonzero().flatten().tolist(),
+                    "masked_exactly_zero": bool((masked == 0).all()),
+                }
+            )
     after = stages["block.0.after_attention"]
     merges = {
-        "attention": {"formula": "after_attention = x + attention_branch",
-                      "max_abs_deviation": float((after - (x + stages["block.0.attention_branch"])).abs().max())},
-        "feed_forward": {"formula": "output = after_attention + feed_forward_branch",
-                         "max_abs_deviation": float((stages["block.0.output"] - (after + stages["block.0.feed_forward_branch"])).abs().max())},
+        "attention": {
+            "formula": "after_attention = x + attention_branch",
+            "max_abs_deviation": float((after - (x + stages["block.0.attention_branch"])).abs().max()),
+        },
+        "feed_forward": {
+            "formula": "output = after_attention + feed_forward_branch",
+            "max_abs_deviation": float(
+                (stages["block.0.output"] - (after + stages["block.0.feed_forward_branch"])).abs().max()
+            ),
+        },
     }
     post = build_worked_example("post").double()(x)
-    contrast = {"stage": "after_attention", "token": 1,
-                "pre_norm": after[0, 1].tolist(), "post_norm": post["block.0.after_attention"][0, 1].tolist()}
+    contrast = {
+        "stage": "after_attention",
+        "token": 1,
+        "pre_norm": after[0, 1].tolist(),
+        "post_norm": post["block.0.after_attention"][0, 1].tolist(),
+    }
 
     changed = x.clone()
     changed[0, -1] = torch.linspace(-1.0, 1.0, d, dtype=torch.float64)  # only the last token differs
@@ -116,8 +132,11 @@ def worked_example_walkthrough() -> dict:
         "residual_merges": merges,
         "probe": {"matrix": _rows(model.probe), "logits": _rows(stages["logits"][0])},
         "pre_vs_post": contrast,
-        "causality": {"changed": f"token {T - 1} only", "prefix_rows_bitwise_equal": prefix_equal,
-                      "passed": all(prefix_equal.values())},
+        "causality": {
+            "changed": f"token {T - 1} only",
+            "prefix_rows_bitwise_equal": prefix_equal,
+            "passed": all(prefix_equal.values()),
+        },
         "parameters": parameter_ledger(model, "block", model.config),
         "gradient_check": gradient,
     }
@@ -130,8 +149,10 @@ def _fmt_row(row) -> str:
 def render_text(trace: dict) -> str:
     out = []
     cfg = trace["config"]
-    out.append(f"worked example: d={cfg['width']}, heads={cfg['heads']}, d_ff={cfg['ff_width']}, eps={cfg['eps']}, "
-               f"norm={cfg['norm_placement']}, identity weights, unit gains (float64 eager)")
+    out.append(
+        f"worked example: d={cfg['width']}, heads={cfg['heads']}, d_ff={cfg['ff_width']}, eps={cfg['eps']}, "
+        f"norm={cfg['norm_placement']}, identity weights, unit gains (float64 eager)"
+    )
     out.append(f"input hidden_states {trace['input']['shape']}:")
     out += [f"  t{t}: {_fmt_row(r)}" for t, r in enumerate(trace["input"]["rows"])]
     for name, stage in trace["stages"].items():
@@ -155,14 +176,20 @@ def render_text(trace: dict) -> str:
     out.append(f"  post: {_fmt_row(c['post_norm'])}")
     causal = trace["causality"]
     unchanged = sum(causal["prefix_rows_bitwise_equal"].values())
-    out.append(f"causality: changing {causal['changed']} leaves earlier rows bitwise unchanged in "
-               f"{unchanged}/{len(causal['prefix_rows_bitwise_equal'])} stages: {'PASS' if causal['passed'] else 'FAIL'}")
+    out.append(
+        f"causality: changing {causal['changed']} leaves earlier rows bitwise unchanged in "
+        f"{unchanged}/{len(causal['prefix_rows_bitwise_equal'])} stages: {'PASS' if causal['passed'] else 'FAIL'}"
+    )
     p = trace["parameters"]
-    out.append(f"parameters: {p['total']} scalars in {p['tensor_count']} tensors (formula 2d + 4d^2 + 3*d*d_ff = "
-               f"{p['formula']}), bias-free: {p['bias_free']}")
+    out.append(
+        f"parameters: {p['total']} scalars in {p['tensor_count']} tensors (formula 2d + 4d^2 + 3*d*d_ff = "
+        f"{p['formula']}), bias-free: {p['bias_free']}"
+    )
     out += [f"  {t['name']:<40} {str(t['shape']):<8} {t['scalars']:>4}" for t in p["tensors"]]
     g = trace["gradient_check"]
-    out.append(f"gradient check ({g['loss']}): {g['input_coordinates']} input + {g['parameter_coordinates']} parameter "
-               f"coordinates, central differences delta {g['delta']:g}, max abs error {g['max_abs_error']:.2e} "
-               f"<= {g['tolerance']:g}: {'PASS' if g['passed'] else 'FAIL'}")
+    out.append(
+        f"gradient check ({g['loss']}): {g['input_coordinates']} input + {g['parameter_coordinates']} parameter "
+        f"coordinates, central differences delta {g['delta']:g}, max abs error {g['max_abs_error']:.2e} "
+        f"<= {g['tolerance']:g}: {'PASS' if g['passed'] else 'FAIL'}"
+    )
     return "\n".join(out)

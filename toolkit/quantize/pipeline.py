@@ -14,11 +14,8 @@ quantized, both on ONNX Runtime CPU.
 from __future__ import annotations
 
 import copy
-import json
-import logging
 import math
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +26,18 @@ from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
 from artifact.read import load_onnx
 from artifact.write import check_output_dir, pack_artifact, write_artifact
-from exporters.quantize import (ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES, HEAD, prepare_proto, quantize_proto,
-                                quantized_weight_map, quantizer_version, torch_weights)
+from exporters.quantize import (
+    ACCURACY_LEVELS,
+    ALGORITHMS,
+    BITS,
+    BLOCK_SIZES,
+    HEAD,
+    prepare_proto,
+    quantize_proto,
+    quantized_weight_map,
+    quantizer_version,
+    torch_weights,
+)
 from models.artifacts import artifact_config, open_artifact
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
@@ -56,8 +63,16 @@ class QuantizeResult:
     quantized_weights: int
 
 
-def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, accuracy_level: int = 0,
-                      algorithm: str = "rtn", greedy_tokens: int = GREEDY_TOKENS) -> QuantizeResult:
+def quantize_artifact(
+    source_dir,
+    out_dir,
+    *,
+    bits: int,
+    block_size: int = 32,
+    accuracy_level: int = 0,
+    algorithm: str = "rtn",
+    greedy_tokens: int = GREEDY_TOKENS,
+) -> QuantizeResult:
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically)."""
     if bits not in BITS:
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
@@ -66,8 +81,10 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if algorithm == "hqq" and bits != 4:
-        raise ConfigError(f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
-                          "CPU MatMulNBits at 4 bits only; use --algorithm rtn for 8 bits")
+        raise ConfigError(
+            f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
+            "CPU MatMulNBits at 4 bits only; use --algorithm rtn for 8 bits"
+        )
     if accuracy_level not in ACCURACY_LEVELS:
         raise ConfigError(f"--accuracy-level: expected one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
     source_dir, out_dir = Path(source_dir), Path(out_dir)
@@ -75,8 +92,10 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
     if source.directory is None:
         raise ModelFileError(f"{source_dir}: a lone .onnx file; pass the artifact directory from `toolkit export`")
     if source.manifest.quantization:
-        raise ModelFileError(f"{source_dir}: already quantized ({source.manifest.quantization['bits']}-bit); "
-                             "quantize the float artifact it came from")
+        raise ModelFileError(
+            f"{source_dir}: already quantized ({source.manifest.quantization['bits']}-bit); "
+            "quantize the float artifact it came from"
+        )
     _check_language_model(source)
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
@@ -85,15 +104,24 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, bytes] = {}
     total, untied = 0, False
-    for entry, graph in zip(manifest["graphs"], source.graphs):
+    for entry, graph in zip(manifest["graphs"], source.graphs, strict=False):
         proto = load_onnx(graph.model_path)
         weights = torch_weights(proto, graph.entry.data["weights"])
         prepared, folded = prepare_proto(proto)
-        proto, count = quantize_proto(prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level,
-                                      algorithm=algorithm)
+        proto, count = quantize_proto(
+            prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
+        )
         total += count
-        entry["weights"] = quantized_weight_map(graph.entry.data["weights"], folded, prepared, proto, weights, bits, prefer_quantized=(HEAD,),
-                                       algorithm=algorithm)
+        entry["weights"] = quantized_weight_map(
+            graph.entry.data["weights"],
+            folded,
+            prepared,
+            proto,
+            weights,
+            bits,
+            prefer_quantized=(HEAD,),
+            algorithm=algorithm,
+        )
         del prepared
         if manifest["config"].get("tie_embeddings") and "quantized" in entry["weights"].get(HEAD, {}):
             # The graph multiplies by a quantized copy of the embedding while Gather reads the float one:
@@ -113,8 +141,7 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
         "accuracy_level": accuracy_level,
         "quantized_matmuls": total,
         "quantizer": quantizer_version(algorithm),
-        "source": {"directory": str(source_dir.resolve()),
-                   "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
+        "source": {"directory": str(source_dir.resolve()), "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,
     }
@@ -135,13 +162,17 @@ def quantize_artifact(source_dir, out_dir, *, bits: int, block_size: int = 32, a
 
 def _check_language_model(artifact: Artifact) -> None:
     if len(artifact.graphs) != 1:
-        raise ModelFileError(f"{artifact.location}: {artifact.family} artifacts have {len(artifact.graphs)} graphs; "
-                             "quantize supports decoder-only language models (one graph, input_ids -> logits)")
+        raise ModelFileError(
+            f"{artifact.location}: {artifact.family} artifacts have {len(artifact.graphs)} graphs; "
+            "quantize supports decoder-only language models (one graph, input_ids -> logits)"
+        )
     graph = artifact.graphs[0]
     names = [s.name for s in graph.input_specs]
     if "input_ids" not in names or "logits" not in graph.output_names:
-        raise ModelFileError(f"{artifact.location}: a {artifact.family} artifact with inputs {names}; quantize "
-                             "supports decoder-only language models (input_ids -> logits)")
+        raise ModelFileError(
+            f"{artifact.location}: a {artifact.family} artifact with inputs {names}; quantize "
+            "supports decoder-only language models (input_ids -> logits)"
+        )
 
 
 def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes]) -> dict[str, bytes]:
@@ -157,8 +188,9 @@ def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes]) -> dict[st
 # --------------------------------------------------------------------------- quality
 
 
-def evaluate_quality(float_artifact: Artifact, quantized_artifact: Artifact, *,
-                     greedy_tokens: int = GREEDY_TOKENS) -> dict:
+def evaluate_quality(
+    float_artifact: Artifact, quantized_artifact: Artifact, *, greedy_tokens: int = GREEDY_TOKENS
+) -> dict:
     """Quantized vs float, both on ONNX Runtime CPU, on fixed prompts and a fixed text.
 
     - logits: max / mean abs difference over every position of the prompts + greedy continuations;

@@ -46,16 +46,23 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 Piece = tuple[str, str | None, int]
 
 
-def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch: int = 8, max_queue: int = 32,
-               max_tokens: int = 256) -> FastAPI:
+def create_app(
+    artifact_dir: str | Path,
+    *,
+    backend: str = "ort-cpu",
+    max_batch: int = 8,
+    max_queue: int = 32,
+    max_tokens: int = 256,
+) -> FastAPI:
     artifact = open_artifact(artifact_dir)
     tokenizer = load_tokenizer(artifact, artifact_dir)
     runner = create_runner(backend, artifact)
     if "past_mask" not in {s.name for s in runner.input_specs}:
         raise ModelFileError(f"{artifact_dir}: not a batched KV-cache artifact; export it with --variant serving")
     metrics = Metrics()
-    engine = BatchEngine(runner, artifact_config(artifact).max_positions, max_batch=max_batch, max_queue=max_queue,
-                         on_step=metrics.step)
+    engine = BatchEngine(
+        runner, artifact_config(artifact).max_positions, max_batch=max_batch, max_queue=max_queue, on_step=metrics.step
+    )
     model_id = artifact.manifest.preset or Path(str(artifact.location)).name
     server = Server(tokenizer, engine, metrics, model_id, max_tokens)
 
@@ -70,8 +77,9 @@ def create_app(artifact_dir: str | Path, *, backend: str = "ort-cpu", max_batch:
     return app
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
@@ -83,8 +91,12 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         seed = body.seed if body.seed is not None else secrets.randbits(32)
         self.request = EngineRequest(
-            prompt_ids, body.max_tokens, Sampling(body.temperature, 0, body.top_p, seed), stop_ids,
-            emit=lambda kind, value: loop.call_soon_threadsafe(self.events.put_nowait, (kind, value)))
+            prompt_ids,
+            body.max_tokens,
+            Sampling(body.temperature, 0, body.top_p, seed),
+            stop_ids,
+            emit=lambda kind, value: loop.call_soon_threadsafe(self.events.put_nowait, (kind, value)),
+        )
 
 
 class Server:
@@ -94,8 +106,7 @@ class Server:
     OpenAPI document and derive response models from them.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, engine: BatchEngine, metrics: Metrics, model_id: str,
-                 max_tokens: int):
+    def __init__(self, tokenizer: TextTokenizer, engine: BatchEngine, metrics: Metrics, model_id: str, max_tokens: int):
         self.tokenizer, self.engine, self.metrics = tokenizer, engine, metrics
         self.model_id, self.max_tokens = model_id, max_tokens
         self.stop_ids = tuple(t for t in (tokenizer.eos_id,) if t is not None)
@@ -108,8 +119,9 @@ class Server:
         self.draining = True  # uvicorn has stopped accepting; let in-flight requests finish
         await asyncio.to_thread(self.engine.stop, 30.0)
 
-    def failed(self, endpoint: str, status: int, message: str, param: str | None = None,
-               headers: dict[str, str] | None = None) -> JSONResponse:
+    def failed(
+        self, endpoint: str, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
         """Count the request under `status` and answer with an OpenAI error."""
         self.metrics.count(endpoint, status)
         return error_response(status, message, param, headers)
@@ -126,12 +138,15 @@ class Server:
         return {"status": "ok", "active": self.engine.active, "queued": self.engine.queue_depth}
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
-                                            "owned_by": "onnx-toolkit"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "onnx-toolkit"}],
+        }
 
     async def prometheus(self):
-        return PlainTextResponse(self.metrics.exposition(self.engine.queue_depth, self.engine.active),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            self.metrics.exposition(self.engine.queue_depth, self.engine.active), media_type="text/plain; version=0.0.4"
+        )
 
     async def completions(self, body: CompletionBody, request: Request):
         return await self.answer(request, COMPLETIONS, body, body.prompt, chat=False)
@@ -150,8 +165,9 @@ class Server:
         if self.draining:
             return self.failed(endpoint, 503, "shutting down", headers=RETRY_LATER)
         if body.max_tokens > self.max_tokens:
-            return self.failed(endpoint, 400, f"max_tokens: {body.max_tokens} exceeds the server limit "
-                               f"{self.max_tokens}", "max_tokens")
+            return self.failed(
+                endpoint, 400, f"max_tokens: {body.max_tokens} exceeds the server limit {self.max_tokens}", "max_tokens"
+            )
         prompt_ids = self.tokenizer.encode(prompt)
         if not prompt_ids:
             return self.failed(endpoint, 400, "prompt: empty after tokenization", "prompt")
@@ -159,15 +175,15 @@ class Server:
         try:
             self.engine.submit(job.request)
         except QueueFull:
-            return self.failed(endpoint, 429, f"queue full ({self.engine.pending.maxsize} waiting); retry later",
-                               headers=RETRY_LATER)
+            return self.failed(
+                endpoint, 429, f"queue full ({self.engine.pending.maxsize} waiting); retry later", headers=RETRY_LATER
+            )
         except InputError as exc:
             return self.failed(endpoint, 400, str(exc), "messages" if chat else "prompt")
         reply = Reply(chat=chat, model=self.model_id, prompt_tokens=len(prompt_ids))
         pieces = self.pieces(job, body.stop_strings())
         if body.stream:
-            return StreamingResponse(self.events(pieces, job, reply, request, endpoint),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self.events(pieces, job, reply, request, endpoint), media_type="text/event-stream")
         return await self.whole(pieces, reply, endpoint)
 
     async def pieces(self, job: Job, stops: list[str]) -> AsyncIterator[Piece]:
@@ -202,8 +218,9 @@ class Server:
         if tokens == 1 and request.first_token_at is not None:
             self.metrics.ttft.observe(request.first_token_at - request.submitted)
 
-    async def events(self, pieces: AsyncIterator[Piece], job: Job, reply: Reply, request: Request,
-                     endpoint: str) -> AsyncIterator[str]:
+    async def events(
+        self, pieces: AsyncIterator[Piece], job: Job, reply: Reply, request: Request, endpoint: str
+    ) -> AsyncIterator[str]:
         """The server-sent events of a streamed answer; a client that goes away frees its slot."""
         try:
             async for delta, finish, tokens in pieces:

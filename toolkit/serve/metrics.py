@@ -8,15 +8,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.requests = Counter("toolkit_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
-                                registry=self.registry)
+        self.requests = Counter(
+            "toolkit_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        )
         self.queue_depth = Gauge("toolkit_queue_depth", "requests waiting for a batch slot", registry=self.registry)
         self.active = Gauge("toolkit_active_requests", "requests in the running batch", registry=self.registry)
-        self.batch_size = Histogram("toolkit_batch_size", "rows per decode step", registry=self.registry,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.batch_size = Histogram(
+            "toolkit_batch_size", "rows per decode step", registry=self.registry, buckets=(1, 2, 4, 8, 16, 32, 64)
+        )
         self.ttft = Histogram("toolkit_time_to_first_token_seconds", "submit to first token", registry=self.registry)
-        self.token_latency = Histogram("toolkit_token_latency_seconds", "decode step time per token",
-                                       registry=self.registry)
+        self.token_latency = Histogram(
+            "toolkit_token_latency_seconds", "decode step time per token", registry=self.registry
+        )
         self.tokens = Counter("toolkit_tokens_generated", "tokens generated", registry=self.registry)
 
     def count(self, endpoint: str, status: int) -> None:

@@ -69,8 +69,11 @@ class Reply:
         self.object = "chat.completion" if chat else "text_completion"
 
     def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def choice(self, text: str, finish: str | None, stream: bool) -> dict:
         if self.chat:
@@ -81,12 +84,23 @@ class Reply:
 
     def chunk(self, delta: str, finish: str | None, completion_tokens: int) -> dict:
         """One streamed event; the last one (with a finish reason) carries the usage."""
-        chunk = {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
-                 "model": self.model, "choices": [self.choice(delta, finish, True)]}
+        chunk = {
+            "id": self.id,
+            "object": self.object + (".chunk" if self.chat else ""),
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choice(delta, finish, True)],
+        }
         if finish:
             chunk["usage"] = self.usage(completion_tokens)
         return chunk
 
     def whole(self, text: str, finish: str, completion_tokens: int) -> dict:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [self.choice(text, finish, False)], "usage": self.usage(completion_tokens)}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choice(text, finish, False)],
+            "usage": self.usage(completion_tokens),
+        }

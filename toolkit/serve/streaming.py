@@ -57,12 +57,12 @@ class TextStream:
 
     def flush(self) -> str:
         """The rest of the text once no more tokens come, held-back characters included."""
-        rest = self.decode(self.tokens)[len(self.text):]
+        rest = self.decode(self.tokens)[len(self.text) :]
         self.text += rest
         return rest
 
     def _advance(self, full: str, end: int) -> str:
         if end <= len(self.text):
             return ""
-        delta, self.text = full[len(self.text):end], full[:end]
+        delta, self.text = full[len(self.text) : end], full[:end]
         return delta

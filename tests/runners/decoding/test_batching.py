@@ -19,18 +19,20 @@ import numpy as np
 import pytest
 import torch
 
+from artifact.errors import InputError
 from runners.decoding.batching import BatchEngine, QueueFull, Request
 from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
-from artifact.errors import InputError
 
 pytestmark = pytest.mark.slow
 GREEDY = Sampling()
 
 # --------------------------------------------------------------------------- shared artifact
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -74,15 +76,31 @@ def tiny_lm(tmp_path_factory) -> TinyLM:
         backend = Tokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=SPECIALS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         backend.train_from_iterator(CORPUS * 3, trainer)
-        tokenizer = TextTokenizer(backend, bos_id=None, eos_id=backend.token_to_id("<|endoftext|>"), add_bos=False,
-                                  chat_template=CHAT_TEMPLATE)
+        tokenizer = TextTokenizer(
+            backend,
+            bos_id=None,
+            eos_id=backend.token_to_id("<|endoftext|>"),
+            add_bos=False,
+            chat_template=CHAT_TEMPLATE,
+        )
         assert tokenizer.eos_id is not None and tokenizer.vocab_size >= 290
-        config = LlamaConfig(vocab_size=tokenizer.vocab_size, layers=2, width=16, heads=4, kv_heads=2,
-                               ff_width=32, max_positions=MAX_POSITIONS,
-                               tie_embeddings=False)  # a tied random head just repeats its input token
+        config = LlamaConfig(
+            vocab_size=tokenizer.vocab_size,
+            layers=2,
+            width=16,
+            heads=4,
+            kv_heads=2,
+            ff_width=32,
+            max_positions=MAX_POSITIONS,
+            tie_embeddings=False,
+        )  # a tied random head just repeats its input token
         model = build_model("llama", config, SEED)
         out = tmp_path_factory.mktemp("tiny-lm") / "artifact"
         export_model(model, "llama", config, out, variant="serving", seed=SEED, extra_files=tokenizer.files())
@@ -208,8 +226,9 @@ class Recorder:
         self.trusted.append(tuple(trusted))
         outputs = self.runner.run(feed, trusted)
         histories = [list(r.request.prompt_ids) + list(r.request.tokens) for r in self.engine.rows]
-        self.calls.append(({k: np.array(v) for k, v in feed.items()}, {k: np.array(v) for k, v in outputs.items()},
-                           histories))
+        self.calls.append(
+            ({k: np.array(v) for k, v in feed.items()}, {k: np.array(v) for k, v in outputs.items()}, histories)
+        )
         return outputs
 
 
@@ -218,15 +237,15 @@ class Recorder:
 
 def test_different_prompt_lengths_submitted_together_match_single_requests(make_engine, oracle_lm, prompts):
     max_tokens = [12, 20, 7, 16, 20, 9]
-    expected = [oracle(oracle_lm, p, n) for p, n in zip(prompts, max_tokens)]
+    expected = [oracle(oracle_lm, p, n) for p, n in zip(prompts, max_tokens, strict=False)]
     engine = make_engine(max_batch=8)
-    requests = [make_request(p, n) for p, n in zip(prompts, max_tokens)]
+    requests = [make_request(p, n) for p, n in zip(prompts, max_tokens, strict=False)]
     for r in requests:  # all queued before the worker starts: the first batch holds every row
         engine.submit(r)
     assert engine.queue_depth == len(requests)
     engine.start()
     wait_all(requests)
-    for r, (tokens, reason), n in zip(requests, expected, max_tokens):
+    for r, (tokens, reason), n in zip(requests, expected, max_tokens, strict=False):
         got, why = finish(r)
         assert got == tokens, (r.prompt_ids, got, tokens)
         assert why == reason == "length" and len(got) == n
@@ -251,7 +270,7 @@ def test_request_joining_mid_decode_matches_and_leaves_others_unaffected(make_en
     engine.start()
     wait_all([a, b, late_request])
     assert 5 <= joined_at["late"] < 24, joined_at  # the late request really joined a running batch
-    for r, (tokens, reason) in zip([a, b, late_request], expected):
+    for r, (tokens, reason) in zip([a, b, late_request], expected, strict=False):
         got, why = finish(r)
         assert (got, why) == (tokens, reason), r.prompt_ids
 
@@ -261,17 +280,22 @@ def test_rows_leaving_at_different_times_leave_the_others_unaffected(make_engine
     long_greedy, _ = oracle(oracle_lm, prompts[5], 30)
     k = next(i for i in range(3, 30) if long_greedy[i] not in long_greedy[:i])
     stop = (long_greedy[k],)  # a stop id the greedy output reaches at step k + 1
-    plan = [(prompts[5], 30, stop), (prompts[0], 3, ()), (prompts[2], 1, ()), (prompts[3], 25, ()),
-            (prompts[4], 11, ())]
+    plan = [
+        (prompts[5], 30, stop),
+        (prompts[0], 3, ()),
+        (prompts[2], 1, ()),
+        (prompts[3], 25, ()),
+        (prompts[4], 11, ()),
+    ]
     expected = [oracle(oracle_lm, p, n, stop_ids=s) for p, n, s in plan]
-    assert expected[0] == (long_greedy[:k + 1], "stop")
+    assert expected[0] == (long_greedy[: k + 1], "stop")
     engine = make_engine()
     requests = [make_request(p, n, stop_ids=s) for p, n, s in plan]
     for r in requests:
         engine.submit(r)
     engine.start()
     wait_all(requests)
-    for r, (tokens, reason) in zip(requests, expected):
+    for r, (tokens, reason) in zip(requests, expected, strict=False):
         got, why = finish(r)
         assert (got, why) == (tokens, reason), r.prompt_ids
     deadline = time.monotonic() + 5
@@ -345,18 +369,22 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_an_input_error(make_engine
 
 
 def test_seeded_sampling_gives_the_same_tokens_batched_as_alone(make_engine, oracle_lm, prompts):
-    samplings = [Sampling(temperature=1.0, seed=3), Sampling(temperature=0.8, top_p=0.9, seed=5),
-                 Sampling(temperature=1.3, top_k=20, seed=7), Sampling()]
+    samplings = [
+        Sampling(temperature=1.0, seed=3),
+        Sampling(temperature=0.8, top_p=0.9, seed=5),
+        Sampling(temperature=1.3, top_k=20, seed=7),
+        Sampling(),
+    ]
     chosen = [prompts[0], prompts[3], prompts[5], prompts[1]]
-    expected = [oracle(oracle_lm, p, 15, s) for p, s in zip(chosen, samplings)]
+    expected = [oracle(oracle_lm, p, 15, s) for p, s in zip(chosen, samplings, strict=False)]
     assert expected[0] != oracle(oracle_lm, chosen[0], 15, Sampling(temperature=1.0, seed=4))  # seed matters
     engine = make_engine()
-    requests = [make_request(p, 15, s) for p, s in zip(chosen, samplings)]
+    requests = [make_request(p, 15, s) for p, s in zip(chosen, samplings, strict=False)]
     for r in requests:
         engine.submit(r)
     engine.start()
     wait_all(requests)
-    for r, want in zip(requests, expected):
+    for r, want in zip(requests, expected, strict=False):
         assert finish(r) == want, r.sampling
 
 
@@ -373,8 +401,7 @@ def test_batched_logits_match_float64_eager(make_engine, engine_runner, model64,
         if len(request.tokens) == 4:
             engine.submit(late)
 
-    requests = [make_request(prompts[0], 14, on_token=join), make_request(prompts[5], 5),
-                make_request(prompts[2], 10)]
+    requests = [make_request(prompts[0], 14, on_token=join), make_request(prompts[5], 5), make_request(prompts[2], 10)]
     for r in requests:
         engine.submit(r)
     engine.start()
@@ -384,13 +411,16 @@ def test_batched_logits_match_float64_eager(make_engine, engine_runner, model64,
     padded = [c for c in decode if c[0]["input_ids"].shape[0] > 1 and (c[0]["past_mask"] == 0).any()]
     assert len(padded) >= 5, "the run should include batched steps with left padding"
     assert {f["input_ids"].shape[0] for f, _, _ in decode} >= {1, 2, 3}  # rows joined and left
-    trimmed = any(b[0]["past_mask"].shape[1] < a[0]["past_mask"].shape[1] + 1 for a, b in zip(decode, decode[1:]))
+    trimmed = any(
+        b[0]["past_mask"].shape[1] < a[0]["past_mask"].shape[1] + 1 for a, b in zip(decode, decode[1:], strict=False)
+    )
     assert trimmed, "a retiring row should have trimmed padding columns"
     # Prefills (empty cache) are fully scanned; decode steps hand back the engine's own cache as trusted.
     caches = tuple(sorted(k for k in recorder.calls[0][0] if k.startswith("past.")))
-    for (feed, _, _), trusted in zip(recorder.calls, recorder.trusted):
-        assert tuple(sorted(trusted)) == (caches if feed["past_mask"].shape[1] > 0 and
-                                          feed["input_ids"].shape[1] == 1 else ())
+    for (feed, _, _), trusted in zip(recorder.calls, recorder.trusted, strict=False):
+        assert tuple(sorted(trusted)) == (
+            caches if feed["past_mask"].shape[1] > 0 and feed["input_ids"].shape[1] == 1 else ()
+        )
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # hundreds of tiny forwards: thread hand-offs would cost more than the math
@@ -408,16 +438,22 @@ def _check_against_eager(decode, model64) -> float:
             logits = outputs["logits"][:, -1]
             scale = float(np.abs(logits).max())
             # 1. the same left-padded feed through float64 eager
-            past = [tuple(torch.from_numpy(feed[f"past.{i}.{kind}"]).double() for kind in ("key", "value"))
-                    for i in range(2)]
-            eager = model64(torch.from_numpy(feed["input_ids"]), past=past,
-                            past_mask=torch.from_numpy(feed["past_mask"]),
-                            position_ids=torch.from_numpy(feed["position_ids"]))
+            past = [
+                tuple(torch.from_numpy(feed[f"past.{i}.{kind}"]).double() for kind in ("key", "value"))
+                for i in range(2)
+            ]
+            eager = model64(
+                torch.from_numpy(feed["input_ids"]),
+                past=past,
+                past_mask=torch.from_numpy(feed["past_mask"]),
+                position_ids=torch.from_numpy(feed["position_ids"]),
+            )
             np.testing.assert_allclose(logits, eager["logits"][:, -1].numpy(), rtol=1e-4, atol=1e-4 * scale)
             for i in range(2):  # the returned cache too (its padding slots included)
                 for kind in ("key", "value"):
-                    np.testing.assert_allclose(outputs[f"present.{i}.{kind}"], eager[f"present.{i}.{kind}"].numpy(),
-                                               rtol=1e-4, atol=1e-4)
+                    np.testing.assert_allclose(
+                        outputs[f"present.{i}.{kind}"], eager[f"present.{i}.{kind}"].numpy(), rtol=1e-4, atol=1e-4
+                    )
             # 2. each row's whole history, no cache and no padding at all
             assert len(histories) == logits.shape[0]
             for row, history in enumerate(histories):

@@ -10,16 +10,16 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from artifact.errors import ConfigError, InputError
 from exporters.onnx_export import export_model
 from models.llama import LlamaConfig
-from models.registry import build_model
-from runners.decoding.generate import CachedLM, Sampler, Sampling, generate
-from runners.registry import create_runner
 from models.presets import get_preset
-from artifact.errors import ConfigError, InputError
+from models.registry import build_model
 from runners.base import Runner
 from runners.decoding.cache import KVCache
+from runners.decoding.generate import CachedLM, Sampler, Sampling, generate
 from runners.ort import BoundKVCache
+from runners.registry import create_runner
 
 PRESET = "decoder-small"  # random tiny LLaMA (V=96, 2 layers, max_positions=32), exported once per session
 
@@ -67,10 +67,15 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
     assert len(set(a.tolist())) > 5  # really sampling, not greedy
 
 
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.5, top_k=1, seed=3),
-                                      Sampling(temperature=2.0, top_p=1e-6, seed=4),
-                                      Sampling(temperature=1.0, top_k=5, top_p=1e-9, seed=5)],
-                         ids=["top_k=1", "tiny top_p", "both"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(temperature=1.5, top_k=1, seed=3),
+        Sampling(temperature=2.0, top_p=1e-6, seed=4),
+        Sampling(temperature=1.0, top_k=5, top_p=1e-9, seed=5),
+    ],
+    ids=["top_k=1", "tiny top_p", "both"],
+)
 def test_degenerate_filters_are_greedy(sampling):
     rng = np.random.default_rng(2)
     sampler = Sampler(sampling)
@@ -110,18 +115,21 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(np.flatnonzero(counts)) == {1, 2, 3}
 
 
-@pytest.mark.parametrize("kwargs,pattern", [
-    ({"temperature": -1.0}, r"temperature: expected a finite number >= 0, got -1\.0"),
-    ({"temperature": float("nan")}, r"temperature: expected a finite number >= 0, got nan"),
-    ({"temperature": float("inf")}, r"temperature: expected a finite number >= 0, got inf"),
-    ({"temperature": "0.7"}, r"temperature: expected a finite number >= 0, got '0\.7'"),
-    ({"top_k": -1}, r"top_k: expected an integer >= 0, got -1"),
-    ({"top_k": 2.5}, r"top_k: expected an integer >= 0, got 2\.5"),
-    ({"top_k": True}, r"top_k: expected an integer >= 0, got True"),
-    ({"top_p": 0.0}, r"top_p: expected a number in \(0, 1\], got 0\.0"),
-    ({"top_p": 1.5}, r"top_p: expected a number in \(0, 1\], got 1\.5"),
-    ({"top_p": float("nan")}, r"top_p: expected a number in \(0, 1\], got nan"),
-])
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"temperature": -1.0}, r"temperature: expected a finite number >= 0, got -1\.0"),
+        ({"temperature": float("nan")}, r"temperature: expected a finite number >= 0, got nan"),
+        ({"temperature": float("inf")}, r"temperature: expected a finite number >= 0, got inf"),
+        ({"temperature": "0.7"}, r"temperature: expected a finite number >= 0, got '0\.7'"),
+        ({"top_k": -1}, r"top_k: expected an integer >= 0, got -1"),
+        ({"top_k": 2.5}, r"top_k: expected an integer >= 0, got 2\.5"),
+        ({"top_k": True}, r"top_k: expected an integer >= 0, got True"),
+        ({"top_p": 0.0}, r"top_p: expected a number in \(0, 1\], got 0\.0"),
+        ({"top_p": 1.5}, r"top_p: expected a number in \(0, 1\], got 1\.5"),
+        ({"top_p": float("nan")}, r"top_p: expected a number in \(0, 1\], got nan"),
+    ],
+)
 def test_invalid_sampling_parameters(kwargs, pattern):
     with pytest.raises(ConfigError, match=pattern):
         Sampling(**kwargs)
@@ -162,7 +170,7 @@ def oracle_greedy(config, prompt):
             ids.append(int(step.argmax()))
     margins = [np.sort(s)[-1] - np.sort(s)[-2] for s in logits]
     assert min(margins) > 1e-3, "a near-tie would make greedy decoding precision-dependent"
-    return ids[len(prompt):], np.stack(logits)
+    return ids[len(prompt) :], np.stack(logits)
 
 
 @pytest.mark.parametrize("backend", ["eager", "ort-cpu"])
@@ -255,8 +263,9 @@ SHARED_CONFIG = LlamaConfig(vocab_size=64, layers=2, width=64, heads=4, kv_heads
 @pytest.fixture(scope="module")
 def shared_artifact(tmp_path_factory):
     model = build_model("llama", SHARED_CONFIG, seed=11)
-    return export_model(model, "llama", SHARED_CONFIG, tmp_path_factory.mktemp("shared") / "a", variant="serving",
-                        lowering="ort")
+    return export_model(
+        model, "llama", SHARED_CONFIG, tmp_path_factory.mktemp("shared") / "a", variant="serving", lowering="ort"
+    )
 
 
 def feed_both(lms: dict, ids: np.ndarray) -> dict:
@@ -314,8 +323,9 @@ def test_generate_reserves_the_whole_generation(shared_artifact):
 @pytest.mark.parametrize("lowering", ["functions", "standard"])
 def test_concatenating_graphs_keep_a_per_step_cache(tmp_path, lowering):
     config = SHARED_CONFIG
-    artifact = export_model(build_model("llama", config, seed=11), "llama", config, tmp_path / "a",
-                            variant="serving", lowering=lowering)
+    artifact = export_model(
+        build_model("llama", config, seed=11), "llama", config, tmp_path / "a", variant="serving", lowering=lowering
+    )
     assert artifact.graphs[0].entry.kv_cache is None
     lm = CachedLM(create_runner("ort-cpu", artifact), config.max_positions)
     lm.step(np.zeros((1, 3), dtype=np.int64))
@@ -327,8 +337,11 @@ def test_concatenating_graphs_keep_a_per_step_cache(tmp_path, lowering):
 def test_a_step_with_another_batch_size_is_refused_until_reset(shared_artifact, backend):
     lm = CachedLM(create_runner(backend, shared_artifact), SHARED_CONFIG.max_positions)
     lm.step(np.zeros((2, 3), dtype=np.int64))
-    with pytest.raises(InputError, match=r"expected shape \(2, new tokens\) after 3 cached positions of 2 row\(s\), "
-                                         r"got \(1, 1\); reset\(\) to start over"):
+    with pytest.raises(
+        InputError,
+        match=r"expected shape \(2, new tokens\) after 3 cached positions of 2 row\(s\), "
+        r"got \(1, 1\); reset\(\) to start over",
+    ):
         lm.step(np.zeros((1, 1), dtype=np.int64))
     lm.reset()
     assert lm.step(np.zeros((1, 1), dtype=np.int64)).shape == (1, 1, SHARED_CONFIG.vocab_size)

@@ -14,20 +14,28 @@ import sys
 import pytest
 
 from exporters.onnx_export import export_model
-from models.registry import build_model, get_family
-from tests.toolkit.test_cli import assert_user_error, invoke
 from models.artifacts import open_artifact
+from models.registry import build_model, get_family
+from tests.optional import import_or_skip
+from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.bench.bench import BenchSettings, bench
 from toolkit.quantize.pipeline import quantize_artifact
-from tests.optional import import_or_skip
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128,
-          "max_positions": 16}
+CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128, "max_positions": 16}
 SETTINGS = BenchSettings(prompt_len=2, new_tokens=2, batches=(1, 2), repeats=1, warmup=0, threads=1)
-KEYS = {"backend", "lowering", "dtype", "bits", "batch", "prefill_ms", "decode_tokens_per_s",
-        "bandwidth_fraction", "peak_rss_mb"}
+KEYS = {
+    "backend",
+    "lowering",
+    "dtype",
+    "bits",
+    "batch",
+    "prefill_ms",
+    "decode_tokens_per_s",
+    "bandwidth_fraction",
+    "peak_rss_mb",
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +49,13 @@ def artifacts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(artifacts):
-    return bench([a.directory for a in artifacts], backends=["eager", "ort-cpu"], settings=SETTINGS,
-                 isolate=False, bandwidth_bytes=64 << 20)
+    return bench(
+        [a.directory for a in artifacts],
+        backends=["eager", "ort-cpu"],
+        settings=SETTINGS,
+        isolate=False,
+        bandwidth_bytes=64 << 20,
+    )
 
 
 def expected_weight_bytes(bits: int | None) -> int:
@@ -54,9 +67,15 @@ def expected_weight_bytes(bits: int | None) -> int:
     """
     c = CONFIG
     head = c["width"] // c["heads"]
-    matrices = [(c["width"], c["heads"] * head), (c["width"], c["kv_heads"] * head),
-                (c["width"], c["kv_heads"] * head), (c["heads"] * head, c["width"]),
-                (c["width"], c["ff_width"]), (c["width"], c["ff_width"]), (c["ff_width"], c["width"])] * c["layers"]
+    matrices = [
+        (c["width"], c["heads"] * head),
+        (c["width"], c["kv_heads"] * head),
+        (c["width"], c["kv_heads"] * head),
+        (c["heads"] * head, c["width"]),
+        (c["width"], c["ff_width"]),
+        (c["width"], c["ff_width"]),
+        (c["ff_width"], c["width"]),
+    ] * c["layers"]
     matrices.append((c["width"], c["vocab_size"]))
     gains = (2 * c["layers"] + 1) * c["width"] * 4
     if bits is None:
@@ -86,9 +105,14 @@ def test_json_shape_and_sanity(report):
     assert {"torch", "onnxruntime", "onnx"} <= set(machine["versions"])
     rows = [(r["backend"], r["lowering"], r["bits"], r["batch"]) for r in report["results"]]
     # eager once (on the float artifact), ONNX Runtime on both, every batch size
-    assert rows == [("eager", "torch", None, 1), ("eager", "torch", None, 2),
-                    ("ort-cpu", "functions", None, 1), ("ort-cpu", "functions", None, 2),
-                    ("ort-cpu", "functions", 8, 1), ("ort-cpu", "functions", 8, 2)]
+    assert rows == [
+        ("eager", "torch", None, 1),
+        ("eager", "torch", None, 2),
+        ("ort-cpu", "functions", None, 1),
+        ("ort-cpu", "functions", None, 2),
+        ("ort-cpu", "functions", 8, 1),
+        ("ort-cpu", "functions", 8, 2),
+    ]
     for r in report["results"]:
         assert KEYS <= set(r)
         assert r["dtype"] == "float32"
@@ -113,8 +137,28 @@ def test_bandwidth_fraction_rederived(report):
 def test_cli_isolated_json_png(artifacts, tmp_path):
     import_or_skip("matplotlib", reason="the --png chart needs matplotlib (the plot extra)")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    result = invoke("bench", artifacts[0].directory, "--backends", "ort-cpu", "--prompt-len", 2, "--new-tokens", 2,
-                    "--batch", 1, "--repeats", 1, "--warmup", 0, "--threads", 1, "--json", out, "--png", png)
+    result = invoke(
+        "bench",
+        artifacts[0].directory,
+        "--backends",
+        "ort-cpu",
+        "--prompt-len",
+        2,
+        "--new-tokens",
+        2,
+        "--batch",
+        1,
+        "--repeats",
+        1,
+        "--warmup",
+        0,
+        "--threads",
+        1,
+        "--json",
+        out,
+        "--png",
+        png,
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads(out.read_text())
     [row] = report["results"]
@@ -128,14 +172,34 @@ def test_cli_errors(artifacts, tmp_path, monkeypatch):
     assert_user_error(invoke("bench"), "at least one ARTIFACT_DIR")
     assert_user_error(invoke("bench", directory, "--backends", "llama.cpp"), "unknown backend 'llama.cpp'")
     assert_user_error(invoke("bench", directory, "--batch", "1,x"), "--batch", "'1,x'")
-    assert_user_error(invoke("bench", directory, "--prompt-len", 12, "--new-tokens", 8),
-                      "exceed", "max_positions 16")
+    assert_user_error(invoke("bench", directory, "--prompt-len", 12, "--new-tokens", 8), "exceed", "max_positions 16")
     assert_user_error(invoke("bench", tmp_path), "missing manifest.json")
     result = invoke("bench", directory, "--from", "x.gguf")
     assert result.exit_code == 2 and "--from only names the checkpoint for --export" in result.output
-    assert_user_error(invoke("bench", directory, "--export", "--from", tmp_path / "missing.gguf"),
-                      "missing.gguf: no such file or directory")
+    assert_user_error(
+        invoke("bench", directory, "--export", "--from", tmp_path / "missing.gguf"),
+        "missing.gguf: no such file or directory",
+    )
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert_user_error(invoke("bench", directory, "--backends", "ort-cpu", "--prompt-len", 1, "--new-tokens", 1,
-                             "--batch", 1, "--repeats", 1, "--warmup", 0, "--in-process", "--png", tmp_path / "c.png"),
-                      "--png needs matplotlib")
+    assert_user_error(
+        invoke(
+            "bench",
+            directory,
+            "--backends",
+            "ort-cpu",
+            "--prompt-len",
+            1,
+            "--new-tokens",
+            1,
+            "--batch",
+            1,
+            "--repeats",
+            1,
+            "--warmup",
+            0,
+            "--in-process",
+            "--png",
+            tmp_path / "c.png",
+        ),
+        "--png needs matplotlib",
+    )

@@ -13,11 +13,11 @@ import torch
 from click.testing import CliRunner
 
 import models.registry as registry
+from artifact.errors import ModelFileError
 from models.llama import LlamaConfig, ProbedBlockConfig
+from models.presets import get_preset
 from models.registry import build_model
 from toolkit.cli import main
-from models.presets import get_preset
-from artifact.errors import ModelFileError
 from toolkit.explain.inspect import describe, memory_ledger, parameter_count, parameter_ledger
 
 GPT_TINY = 19_320  # 2*290*24 + 24*24 + (4*24^2 + 2*24*48 + 48 + 5*24) + 2*24
@@ -89,8 +89,9 @@ def test_gpt_tiny_ledger_groups_by_hand_and_sum_to_the_total():
     assert sum(t["scalars"] for t in ledger["tensors"]) == GPT_TINY
 
 
-@pytest.mark.parametrize("preset", ["worked-example", "block-small", "decoder-small", "decoder-small-gqa",
-                                    "vaswani-2017", "modern-2026"])
+@pytest.mark.parametrize(
+    "preset", ["worked-example", "block-small", "decoder-small", "decoder-small-gqa", "vaswani-2017", "modern-2026"]
+)
 def test_groups_sum_to_the_total_and_every_tensor_is_grouped(preset):
     model, family, config = _preset_model(preset)
     ledger = parameter_ledger(model, family, config)
@@ -145,8 +146,9 @@ def test_gqa_parameter_formula_matches_real_tensors(kv_heads, tie):
     kv_width = kv_heads * (d // heads)
     block = 2 * d + 2 * d * d + 2 * d * kv_width + 3 * d * f  # gains, Q and O, K and V, gate/up/down
     hand = (1 if tie else 2) * V * d + L * block + d
-    config = LlamaConfig(vocab_size=V, width=d, heads=heads, kv_heads=kv_heads, ff_width=f, layers=L,
-                           tie_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=V, width=d, heads=heads, kv_heads=kv_heads, ff_width=f, layers=L, tie_embeddings=tie
+    )
     model = build_model("llama", config)
     assert sum(p.numel() for p in model.parameters()) == hand
     ledger = parameter_ledger(model, "llama", config)
@@ -173,9 +175,14 @@ def test_inspect_cli_shows_the_ledger_by_group_and_training_bytes(exported):
     out = result.output
     assert "parameters: 19,320 in 17 tensors; formula 19,320 (checked)" in out
     assert "training state 309,120 bytes" in out
-    for group, tensors, scalars in [("token embedding", 1, "6,960"), ("position embedding", 1, "576"),
-                                    ("attention", 4, "2,304"), ("norms", 6, "144"), ("feed-forward", 4, "2,376"),
-                                    ("vocabulary head", 1, "6,960")]:
+    for group, tensors, scalars in [
+        ("token embedding", 1, "6,960"),
+        ("position embedding", 1, "576"),
+        ("attention", 4, "2,304"),
+        ("norms", 6, "144"),
+        ("feed-forward", 4, "2,376"),
+        ("vocabulary head", 1, "6,960"),
+    ]:
         row = [*group.split(), str(tensors), "tensors", scalars]
         assert any(line.split() == row for line in out.splitlines()), group
     assert "B*h*T*T = 588 (2,352 bytes float32)" in out

@@ -30,8 +30,15 @@ def trace():
 
 def _stub_gradient_check(model, x):
     # the failure-detection tests below only concern the other checks; skip the slow finite differences
-    return {"loss": "L", "input_coordinates": 0, "parameter_coordinates": 0, "delta": 1e-6,
-            "max_abs_error": 0.0, "tolerance": 2e-5, "passed": True}
+    return {
+        "loss": "L",
+        "input_coordinates": 0,
+        "parameter_coordinates": 0,
+        "delta": 1e-6,
+        "max_abs_error": 0.0,
+        "tolerance": 2e-5,
+        "passed": True,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

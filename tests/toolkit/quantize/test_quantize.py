@@ -18,22 +18,20 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from artifact.errors import ConfigError, ModelFileError
 from exporters.onnx_export import export_model
+from models.artifacts import artifact_config, open_artifact
 from models.registry import build_model, get_family
-from runners.eager import model_from_artifact
 from runners.decoding.generate import CachedLM, generate
+from runners.eager import model_from_artifact
 from runners.registry import create_runner
 from tests.toolkit.test_cli import assert_user_error, invoke
-from models.artifacts import open_artifact
 from toolkit.check.crosscheck import cross_check
-from artifact.errors import ConfigError, ModelFileError
 from toolkit.quantize.pipeline import quantize_artifact
-from models.artifacts import artifact_config
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128,
-          "max_positions": 48}
+CONFIG = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128, "max_positions": 48}
 IDS = np.array([[3, 17, 42, 5, 88, 61, 0, 95, 23, 7]], dtype=np.int64)
 
 
@@ -52,8 +50,20 @@ def quantized(source, tmp_path_factory):
     out = {}
     for key, bits, algorithm in ((4, 4, "rtn"), (8, 8, "rtn"), ("hqq", 4, "hqq")):
         target, report = base / f"int{key}", base / f"int{key}.json"
-        result = invoke("quantize", source.directory, "--bits", bits, "--block-size", 32, "--algorithm", algorithm,
-                        "--out", target, "--json", report)
+        result = invoke(
+            "quantize",
+            source.directory,
+            "--bits",
+            bits,
+            "--block-size",
+            32,
+            "--algorithm",
+            algorithm,
+            "--out",
+            target,
+            "--json",
+            report,
+        )
         assert result.exit_code == 0, (result.output, result.exception)
         assert f"to {bits}-bit (block 32, {algorithm}" in result.stdout and "greedy agreement" in result.stdout
         out[key] = (open_artifact(target), json.loads(report.read_text()))
@@ -90,8 +100,11 @@ def mnb_dequantize(proto: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
 def float_matrices(source) -> dict[str, np.ndarray]:
     """{torch name: W^T [in, out]} of every Linear weight (what a MatMul B is), from the float artifact."""
     model = model_from_artifact(source)
-    return {name: p.detach().numpy().T.astype(np.float64) for name, p in model.state_dict().items()
-            if name.endswith("proj.weight") or name == "lm_head.weight"}
+    return {
+        name: p.detach().numpy().T.astype(np.float64)
+        for name, p in model.state_dict().items()
+        if name.endswith("proj.weight") or name == "lm_head.weight"
+    }
 
 
 def matched(source, proto):
@@ -130,10 +143,19 @@ def test_graph_has_matmulnbits_and_no_float_weight_for_quantized_matmuls(source,
     # per layer q, k, v, o, gate, up, down; plus the vocabulary head
     assert len(nodes) == 7 * c.layers + 1
     shapes = sorted((a["K"], a["N"]) for a in ({x.name: x.i for x in n.attribute} for n in nodes))
-    expected = sorted([(c.width, c.heads * head_width), (c.width, c.kv_heads * head_width),
-                       (c.width, c.kv_heads * head_width), (c.heads * head_width, c.width),
-                       (c.width, c.ff_width), (c.width, c.ff_width), (c.ff_width, c.width)] * c.layers
-                      + [(c.width, c.vocab_size)])
+    expected = sorted(
+        [
+            (c.width, c.heads * head_width),
+            (c.width, c.kv_heads * head_width),
+            (c.width, c.kv_heads * head_width),
+            (c.heads * head_width, c.width),
+            (c.width, c.ff_width),
+            (c.width, c.ff_width),
+            (c.ff_width, c.width),
+        ]
+        * c.layers
+        + [(c.width, c.vocab_size)]
+    )
     assert shapes == expected
     for node in nodes:
         attrs = {a.name: a.i for a in node.attribute}
@@ -142,13 +164,18 @@ def test_graph_has_matmulnbits_and_no_float_weight_for_quantized_matmuls(source,
     assert not [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in initializer_names]
     assert not proto.functions and not [n for n in proto.graph.node if n.domain == "onnx_toolkit"]
     # No float copy of a projection weight survives (as stored or transposed); the embedding table does.
-    digests = {hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest()
-               for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
-               for a in (numpy_helper.to_array(i), numpy_helper.to_array(i).T)}
+    digests = {
+        hashlib.sha256(np.ascontiguousarray(a).tobytes()).digest()
+        for i in proto.graph.initializer
+        if i.data_type == onnx.TensorProto.FLOAT
+        for a in (numpy_helper.to_array(i), numpy_helper.to_array(i).T)
+    }
     for name, w in float_matrices(source).items():
         f32 = w.astype(np.float32)
-        found = {hashlib.sha256(np.ascontiguousarray(f32).tobytes()).digest(),
-                 hashlib.sha256(np.ascontiguousarray(f32.T).tobytes()).digest()} & digests
+        found = {
+            hashlib.sha256(np.ascontiguousarray(f32).tobytes()).digest(),
+            hashlib.sha256(np.ascontiguousarray(f32.T).tobytes()).digest(),
+        } & digests
         assert bool(found) == (name == "lm_head.weight"), name  # tied: the Gather's float table stays
     # Interface unchanged: the same inputs and outputs as the float export.
     assert artifact.input_specs == source.input_specs
@@ -221,8 +248,9 @@ def test_manifest_records_the_quantization_and_quality(source, quantized):
     int8, int4 = (quantized[bits][0].manifest.quantization["quality"] for bits in (8, 4))
     assert int8["logits_max_abs"] < int4["logits_max_abs"]
     assert int8["greedy_agreement"] >= int4["greedy_agreement"]
-    assert (abs(int8["perplexity_quantized"] - int8["perplexity_float"])
-            <= abs(int4["perplexity_quantized"] - int4["perplexity_float"]))
+    assert abs(int8["perplexity_quantized"] - int8["perplexity_float"]) <= abs(
+        int4["perplexity_quantized"] - int4["perplexity_float"]
+    )
 
 
 def test_float_perplexity_matches_the_float64_eager_model(source, quantized):
@@ -277,10 +305,12 @@ def test_not_an_artifact_and_output_problems(source, quantized, tmp_path):
     a_file.write_text("x")
     with pytest.raises(ModelFileError, match="exists and is not a directory"):
         quantize_artifact(source.directory, a_file, bits=4)
-    assert_user_error(invoke("quantize", source.directory, "--bits", 4, "--out", source.directory),
-                      "is the source artifact")
-    assert_user_error(invoke("quantize", quantized[4][0].directory, "--bits", 8, "--out", tmp_path / "q"),
-                      "already quantized")
+    assert_user_error(
+        invoke("quantize", source.directory, "--bits", 4, "--out", source.directory), "is the source artifact"
+    )
+    assert_user_error(
+        invoke("quantize", quantized[4][0].directory, "--bits", 8, "--out", tmp_path / "q"), "already quantized"
+    )
 
 
 def test_non_language_model_refused(source, tmp_path):
@@ -323,8 +353,11 @@ def test_check_refuses_int8_activations_without_explicit_tolerances(source, tmp_
     assert result.exit_code == 0, result.output
     result = invoke("check", target, "--backends", "eager,ort-cpu")
     assert result.exit_code == 2
-    assert (f"Error: {target}: quantized at --accuracy-level 4, which rounds activations to int8" in result.output
-            and "--tolerances" in result.output and "Traceback" not in result.output)
+    assert (
+        f"Error: {target}: quantized at --accuracy-level 4, which rounds activations to int8" in result.output
+        and "--tolerances" in result.output
+        and "Traceback" not in result.output
+    )
     # With the error the user accepts written down, the check runs and judges.
     loose = tmp_path / "loose.toml"
     loose.write_text("[float32]\natol = 1.0\nrtol = 1.0\n")

@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.artifacts import open_artifact
 from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
+from tests.optional import import_or_skip
 from tests.runners.decoding.test_batching import MAX_POSITIONS, tiny_lm
 from toolkit.cli import main
-from tests.optional import import_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -69,9 +69,22 @@ class Server:
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from toolkit.cli import main; main()", "serve", str(directory),
-                 "--host", "127.0.0.1", "--port", str(self.port), *args],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+                [
+                    sys.executable,
+                    "-c",
+                    "from toolkit.cli import main; main()",
+                    "serve",
+                    str(directory),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    *args,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -102,8 +115,11 @@ class Server:
 
     def metrics(self) -> dict:
         text = httpx.get(self.url + "/metrics", timeout=5).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -146,8 +162,7 @@ def server(servers):
 def small(servers, lm, tmp_path):
     """The batch-1, queue-1 server; restarted if the SIGTERM test already ran (any test order works)."""
     if servers["small"].proc.poll() is not None:
-        servers["small"] = Server(lm.directory, tmp_path / "small.log", "--max-tokens", str(SERVER_MAX_TOKENS),
-                                  *SMALL)
+        servers["small"] = Server(lm.directory, tmp_path / "small.log", "--max-tokens", str(SERVER_MAX_TOKENS), *SMALL)
         servers["small"].wait_ready()
     return servers["small"]
 
@@ -178,8 +193,7 @@ def expected(oracle_lm, tokenizer, prompt: str, max_tokens: int, sampling: Sampl
 
 def clean_prompts(oracle_lm, tokenizer, max_tokens, count, sampling=GREEDY):
     """Prompts whose text does not end inside a UTF-8 sequence (see the xfail below)."""
-    chosen = [p for p in PROMPTS
-              if not expected(oracle_lm, tokenizer, p, max_tokens, sampling)[0].endswith("\ufffd")]
+    chosen = [p for p in PROMPTS if not expected(oracle_lm, tokenizer, p, max_tokens, sampling)[0].endswith("\ufffd")]
     if len(chosen) < count:
         pytest.fail(f"only {len(chosen)} usable prompts for max_tokens={max_tokens}")
     return chosen[:count]
@@ -218,8 +232,21 @@ def test_completion_greedy_equals_generate(client, model_id, lm, oracle_lm):
 
 def test_completion_equals_toolkit_generate_output(client, model_id, lm, oracle_lm):
     prompt = clean_prompts(oracle_lm, lm.tokenizer, 20, 1, Sampling(0.7, 0, 1.0, 9))[0]
-    cli = CliRunner().invoke(main, ["generate", str(lm.directory), "--prompt", prompt, "--max-new-tokens", "20",
-                                    "--temperature", "0.7", "--seed", "9"])
+    cli = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(lm.directory),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "20",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "9",
+        ],
+    )
     assert cli.exit_code == 0, cli.output
     response = client.completions.create(model=model_id, prompt=prompt, max_tokens=20, temperature=0.7, seed=9)
     assert cli.stdout == response.choices[0].text + "\n"
@@ -240,8 +267,10 @@ def test_completion_stream_equals_non_stream(client, model_id, lm, oracle_lm):
 
 def test_chat_non_streaming_and_streaming_agree_with_generate(client, model_id, lm, oracle_lm):
     tokenizer = lm.tokenizer
-    messages = [{"role": "system", "content": "you are a tiny model"},
-                {"role": "user", "content": "what is the capital of france?"}]
+    messages = [
+        {"role": "system", "content": "you are a tiny model"},
+        {"role": "user", "content": "what is the capital of france?"},
+    ]
     prompt = tokenizer.apply_chat_template(messages)
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
     sampling = Sampling(0.9, 0, 1.0, 5)
@@ -299,15 +328,22 @@ def test_stop_string_spanning_two_tokens_is_cut_exactly(client, model_id, lm, or
         text, _, result = expected(oracle_lm, tokenizer, prompt, 30)
         # decoded-text length after each token: a boundary b has text[b - 1] and text[b] in different tokens
         bounds = [len(tokenizer.decode(result.tokens[:i])) for i in range(1, len(result.tokens))]
-        spans = [b - 1 for b in bounds if 0 < b - 1 and b < len(text) and "\ufffd" not in text[:b + 1]
-                 and text[b - 1:b + 1].isprintable() and text.find(text[b - 1:b + 1]) == b - 1
-                 and not tokenizer.decode(result.tokens[:bounds.index(b) + 1]).endswith("\ufffd")]
+        spans = [
+            b - 1
+            for b in bounds
+            if 0 < b - 1
+            and b < len(text)
+            and "\ufffd" not in text[: b + 1]
+            and text[b - 1 : b + 1].isprintable()
+            and text.find(text[b - 1 : b + 1]) == b - 1
+            and not tokenizer.decode(result.tokens[: bounds.index(b) + 1]).endswith("\ufffd")
+        ]
         if spans:
             k = spans[0]
             break
     else:
         pytest.fail("no greedy text with a two-character stop string across a token boundary")
-    stop = text[k:k + 2]
+    stop = text[k : k + 2]
     response = client.completions.create(model=model_id, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
     assert response.choices[0].finish_reason == "stop"
     assert response.choices[0].text == text[:k], (stop, response.choices[0].text, text[:k])
@@ -317,8 +353,11 @@ def test_completion_text_ending_inside_a_utf8_sequence_is_not_dropped(client, mo
     tokenizer = lm.tokenizer
     for prompt in PROMPTS:
         _, _, result = expected(oracle_lm, tokenizer, prompt, 60)
-        ends = [n for n in range(2, len(result.tokens) + 1)
-                if tokenizer.decode(result.tokens[:n]).endswith("\ufffd") and tokenizer.eos_id not in result.tokens[:n]]
+        ends = [
+            n
+            for n in range(2, len(result.tokens) + 1)
+            if tokenizer.decode(result.tokens[:n]).endswith("\ufffd") and tokenizer.eos_id not in result.tokens[:n]
+        ]
         if ends:
             n = ends[0]
             break
@@ -352,8 +391,9 @@ def test_concurrent_requests_get_the_same_text_as_alone(client, model_id, server
     assert batched == alone
     after = server.metrics()
     steps = after[("toolkit_batch_size_count", ())] - before[("toolkit_batch_size_count", ())]
-    single = (after[("toolkit_batch_size_bucket", (("le", "1.0"),))]
-              - before[("toolkit_batch_size_bucket", (("le", "1.0"),))])
+    single = (
+        after[("toolkit_batch_size_bucket", (("le", "1.0"),))] - before[("toolkit_batch_size_bucket", (("le", "1.0"),))]
+    )
     rows = after[("toolkit_batch_size_sum", ())] - before[("toolkit_batch_size_sum", ())]
     assert steps > single and rows > steps, "no decode step ran more than one row: nothing was batched"
 
@@ -362,21 +402,28 @@ def test_concurrent_requests_get_the_same_text_as_alone(client, model_id, server
 
 
 def test_invalid_json_is_422_naming_the_body(server):
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": ',
-                   headers={"content-type": "application/json"}, timeout=10)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=b'{"prompt": "hi", "max_tokens": ',
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
     assert r.status_code == 422
     error = error_of(r)
     assert error["param"] == "body" and error["message"].startswith("body: invalid JSON"), error
     assert error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("path, payload, param", [
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "temperature": 3}, "temperature"),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
-])
+@pytest.mark.parametrize(
+    "path, payload, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 3}, "temperature"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ],
+)
 def test_invalid_fields_are_422_naming_the_field(server, path, payload, param):
     r = post(server, path, payload)
     assert r.status_code == 422, r.text
@@ -477,7 +524,7 @@ def test_client_disconnect_mid_stream_frees_the_slot(small):
             assert r.status_code == 200
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            json.loads(first[len("data: "):])
+            json.loads(first[len("data: ") :])
         # leaving the block closed the connection after one chunk
     state = small.wait_idle(timeout=10)
     assert state["active"] == 0 and state["queued"] == 0, state
@@ -495,7 +542,7 @@ def test_metrics_expose_counters_gauges_and_histograms(server):
     assert r.status_code == 200
     k = r.json()["usage"]["completion_tokens"]
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 0}).status_code == 422
-    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10 ** 6}).status_code == 400
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10**6}).status_code == 400
     after = server.metrics()
 
     def delta(name, **labels):
@@ -555,15 +602,20 @@ def sigterm_run(servers, lm):
         code = term.proc.wait(timeout=40)  # the grace period is 30 s
     except subprocess.TimeoutExpired:
         code = None
-    return {"alone": alone, "results": results, "code": code, "seconds": time.monotonic() - signalled,
-            "output": term.output()}
+    return {
+        "alone": alone,
+        "results": results,
+        "code": code,
+        "seconds": time.monotonic() - signalled,
+        "output": term.output(),
+    }
 
 
 def test_sigterm_lets_in_flight_streams_finish(sigterm_run):
     for (status, lines), text in zip(sigterm_run["results"], sigterm_run["alone"], strict=True):
         assert status == 200
         assert lines[-1] == "data: [DONE]", lines[-3:]
-        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
         assert "".join(c["choices"][0]["text"] for c in chunks) == text
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sigterm_run["code"] is not None, "the server did not exit within the grace period"

@@ -93,23 +93,29 @@ def test_an_empty_stop_string_stops_nothing():
     assert not stream.stopped
 
 
-@pytest.mark.parametrize("text, stops, hold", [
-    ("abcEN", ["END"], 2),
-    ("abcE", ["END"], 1),
-    ("abc", ["END"], 0),
-    ("abcEND", ["END"], 0),  # a whole stop string is found, not held
-    ("xx", ["xxy", "x"], 2),  # the longest tail over all stop strings
-    ("ab", [""], 0),
-])
+@pytest.mark.parametrize(
+    "text, stops, hold",
+    [
+        ("abcEN", ["END"], 2),
+        ("abcE", ["END"], 1),
+        ("abc", ["END"], 0),
+        ("abcEND", ["END"], 0),  # a whole stop string is found, not held
+        ("xx", ["xxy", "x"], 2),  # the longest tail over all stop strings
+        ("ab", [""], 0),
+    ],
+)
 def test_stop_prefix_length(text, stops, hold):
     assert stop_prefix_length(text, stops) == hold
 
 
-@pytest.mark.parametrize("text, stops, cut", [
-    ("abcEND", ["END"], 3),
-    ("abcxyz", ["xyz", "b"], 1),
-    ("abc", ["END", ""], -1),
-])
+@pytest.mark.parametrize(
+    "text, stops, cut",
+    [
+        ("abcEND", ["END"], 3),
+        ("abcxyz", ["xyz", "b"], 1),
+        ("abc", ["END", ""], -1),
+    ],
+)
 def test_find_stop(text, stops, cut):
     assert find_stop(text, stops) == cut
 

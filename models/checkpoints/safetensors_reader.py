@@ -1,0 +1,162 @@
+"""safetensors checkpoints: the header checked against the file, then the tensors read by the library.
+
+Layout: u64 little-endian N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
+then the data; offsets are relative to the data and must tile it without overlaps. Every length,
+shape and offset is checked against the file size before `safetensors` parses the header, so no
+allocation is sized by an unchecked field; library exceptions become ModelFileError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+from artifact.errors import ModelFileError
+
+# safetensors dtypes read here (bytes per element); others (F8, complex, ...) are refused by name.
+SAFETENSORS_DTYPES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own header-size limit
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors files (sharded or not), as float32."""
+    from safetensors import SafetensorError, safe_open
+
+    tensors = {}
+    for file in safetensors_files(directory):
+        check_safetensors_header(file)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name).to(torch.float32)
+        except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as exc:
+            raise ModelFileError(f"{file}: unreadable safetensors file ({exc})") from None
+    return tensors
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The shards model.safetensors.index.json lists (each must exist), else every *.safetensors file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise ModelFileError(f"{index}: invalid shard index ({type(exc).__name__}: {exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise ModelFileError(f"{index}: 'weight_map' must map tensor names to shard file names")
+        files = sorted({directory / Path(name).name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFileError(f"{index}: shard {missing[0]!r} is listed but not in {directory}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{directory}: no *.safetensors files; only safetensors checkpoints are read")
+    return files
+
+
+def check_safetensors_header(file: Path) -> dict:
+    """Validate a safetensors header against the file before the library reads it; returns the header."""
+    raw, data_size = _header_bytes(file)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ModelFileError(
+            f"{file}: unreadable safetensors file (header is not JSON: {type(exc).__name__})"
+        ) from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{file}: unreadable safetensors file (header is not a JSON object)")
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise ModelFileError(f"{file}: unreadable safetensors file (__metadata__ must map strings to strings)")
+            continue
+        spans.append(_tensor_span(file, name, info, data_size))
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in pairwise(spans):
+        if begin_b < end_a:
+            raise ModelFileError(
+                f"{file}: unreadable safetensors file: tensors {a!r:.80} and {b!r:.80} overlap "
+                f"(bytes from {begin_b} to {end_a}); the header lies"
+            )
+    return header
+
+
+def _header_bytes(file: Path) -> tuple[bytes, int]:
+    """(the header's JSON bytes, the data section's size), reading no more than the checked header length."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise ModelFileError(
+                    f"{file}: unreadable safetensors file (truncated: {size} bytes, the header length alone takes 8)"
+                )
+            length = int.from_bytes(prefix, "little")
+            if length > SAFETENSORS_MAX_HEADER:
+                raise ModelFileError(
+                    f"{file}: unreadable safetensors file (header length {length:,} is above the "
+                    f"{SAFETENSORS_MAX_HEADER:,}-byte limit)"
+                )
+            if 8 + length > size:
+                raise ModelFileError(
+                    f"{file}: unreadable safetensors file (truncated: header length {length:,} "
+                    f"runs past the end of the {size:,}-byte file)"
+                )
+            return handle.read(length), size - 8 - length
+    except OSError as exc:
+        raise ModelFileError(f"{file}: cannot read ({exc.strerror or exc})") from None
+
+
+def _tensor_span(file: Path, name: str, info, data_size: int) -> tuple[int, int, str]:
+    """(begin, end, name) of one header entry, once its dtype, shape and offsets agree with the data."""
+    where = f"{file}: unreadable safetensors file: tensor {name!r:.80}"
+    if not isinstance(info, dict):
+        raise ModelFileError(f"{where}: header entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ModelFileError(
+            f"{where}: dtype {dtype!r:.40} is not supported; supported: {', '.join(SAFETENSORS_DTYPES)}"
+        )
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ModelFileError(f"{where}: shape {shape!r:.60} is not a list of non-negative integers")
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        raise ModelFileError(f"{where}: data_offsets {offsets!r:.60} are not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    if end > data_size:
+        raise ModelFileError(
+            f"{where}: data_offsets [{begin}, {end}) run past the end of the data "
+            f"({data_size:,} bytes); the file is truncated or the header lies"
+        )
+    needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+    if end - begin != needed:
+        raise ModelFileError(
+            f"{where}: shape {tuple(shape)} of {dtype} needs {needed:,} bytes but data_offsets "
+            f"[{begin}, {end}) hold {end - begin:,}"
+        )
+    return begin, end, name
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
