@@ -45,6 +45,11 @@ class Runner:
     def _infer(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def placement_audit(self, feed: dict[str, np.ndarray]):
+        """Where the nodes of one run of `feed` ran, for a runner that may place them on other devices than it
+        asked for (a PlacementAudit, runners/ort.py); None for runners that compute where they say."""
+        return None
+
     def new_cache(self, max_positions: int) -> KVCache:
         return KVCache(self.input_specs, max_positions)
 

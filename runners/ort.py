@@ -214,6 +214,10 @@ class OrtRunner(Runner):
         """Run `feed` once in a profiling session and audit where every node ran."""
         return profile_placement(self.loader, feed)
 
+    def placement_audit(self, feed: dict) -> PlacementAudit | None:
+        """A GPU session may leave nodes on the CPU, so its placement is audited; the CPU provider's is not."""
+        return self.placement(feed) if self.binding_device != "cpu" else None
+
     def new_cache(self, max_positions: int) -> BoundKVCache:
         return BoundKVCache(self, max_positions)
 

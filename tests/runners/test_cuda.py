@@ -143,8 +143,6 @@ def test_audit_of_a_real_cpu_profile(exported):
 class FakeGpuRunner:
     """An ONNX Runtime runner whose profile put one Softmax on the CPU (what a GPU run could show)."""
 
-    binding_device = "cuda"
-
     def __init__(self, inner):
         self.inner = inner
         self.device = "CUDAExecutionProvider (device 0, tf32 off)"
@@ -155,7 +153,7 @@ class FakeGpuRunner:
         self.last_inference_time = self.inner.last_inference_time
         return out
 
-    def placement(self, feed):
+    def placement_audit(self, feed):
         return audit_placement(FABRICATED, "CUDAExecutionProvider")
 
 

@@ -9,17 +9,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.registry import get_family
-from runners.compare import Comparison, ToleranceConfig, compare
-from models.registry import has_cache, lm_defaults
-from runners.eager import model_from_artifact
-from runners.decoding.generate import CachedLM
-from runners.registry import DEFAULT_BACKENDS, artifact_dtype, check_backend, create_runner
 from artifact import Artifact, load_onnx
-from models.presets import PRESETS
 from artifact.errors import ConfigError, InputError
-from models.artifacts import artifact_config
 from exporters.quantize import INT8_ACTIVATIONS_LEVEL
+from models.artifacts import artifact_config
+from models.presets import PRESETS
+from models.registry import get_family, has_cache, lm_defaults
+from runners.compare import Comparison, ToleranceConfig, compare
+from runners.decoding.generate import CachedLM
+from runners.eager import model_from_artifact
+from runners.registry import DEFAULT_BACKENDS, artifact_dtype, check_backend, create_runner
 
 DEFAULT_BATCH, DEFAULT_SEQUENCE = 2, 5
 
@@ -79,8 +78,14 @@ class CheckReport:
         if best is None:
             return None
         index, backend, failure = best
-        return {"backend": backend, "stage": failure.name, "index": index, "reason": failure.reason,
-                "max_abs": failure.to_dict()["max_abs"], "allowed": failure.allowed}
+        return {
+            "backend": backend,
+            "stage": failure.name,
+            "index": index,
+            "reason": failure.reason,
+            "max_abs": failure.to_dict()["max_abs"],
+            "allowed": failure.allowed,
+        }
 
     def to_dict(self) -> dict:
         results = []
@@ -95,14 +100,22 @@ class CheckReport:
             "inputs": self.inputs,
             "input_source": self.input_source,
             "backends": [
-                {"name": b.name, "device": b.device, "passed": b.passed,
-                 "first_divergence": b.first_divergence, "seconds": b.seconds, "placement": b.placement}
+                {
+                    "name": b.name,
+                    "device": b.device,
+                    "passed": b.passed,
+                    "first_divergence": b.first_divergence,
+                    "seconds": b.seconds,
+                    "placement": b.placement,
+                }
                 for b in self.backends
             ],
             "results": results,
             "first_divergence": self.first_divergence,
             "calibration": self.calibration,
-            "golden": None if not self.golden else {
+            "golden": None
+            if not self.golden
+            else {
                 **self.golden_info,
                 "passed": all(g.passed for g in self.golden),
                 "results": [{"backend": g.name, **o.to_dict()} for g in self.golden for o in g.comparison.outputs],
@@ -179,51 +192,18 @@ def cross_check(
     GPU ONNX Runtime backends also get a placement audit (one profiled run): a compute node on the
     CPU fails the backend unless allow_cpu_fallback.
     """
-    if not backends:
-        raise ConfigError("no backends to check; name at least one, e.g. --backends eager,ort-cpu")
-    if decode_steps and not has_cache(artifact.graphs[0].input_specs):
-        raise ConfigError("--decode-steps needs a KV-cache artifact; export a language model with --variant serving")
-    for name in backends:
-        check_backend(name, artifact_dtype(artifact))  # fail on a typo before any model is built
-    level = (artifact.manifest.quantization or {}).get("accuracy_level")
-    if isinstance(level, int) and level >= INT8_ACTIVATIONS_LEVEL and tolerances is None:
-        # The oracle applies the dequantized weights to float activations; this graph rounds the
-        # activations to int8 first, so the default float tolerances would fail it on every run.
-        raise ConfigError(f"{artifact.location}: quantized at --accuracy-level {level}, which rounds activations "
-                          "to int8 inside MatMulNBits, so its outputs are not comparable with the float64 oracle at "
-                          "float tolerances; check the same quantization made with --accuracy-level 0, or give "
-                          "--tolerances with the error you accept")
-    if inputs is None:
-        inputs, source = default_inputs(artifact, batch, sequence, seed)
-    else:
-        source = "user-supplied"
-    protos = {g.name: load_onnx(g.model_path) for g in artifact.graphs}
-    oracle_model = model_from_artifact(artifact, protos).to(torch.float64)
-    eager32_model = copy.deepcopy(oracle_model).to(torch.float32)
-    reference, eager32_outputs, feeds = {}, {}, {}
-    for graph in artifact.graphs:
-        feeds[graph.name] = graph_feed(graph, inputs, reference)
-        oracle = create_runner("eager-f64", artifact, graph.name, protos=protos, eager_model=oracle_model)
-        reference.update(oracle.run(feeds[graph.name]))
-        eager32 = create_runner("eager", artifact, graph.name, protos=protos, eager_model=eager32_model)
-        eager32_outputs.update(eager32.run(feeds[graph.name]))
+    refuse_uncheckable(artifact, backends, tolerances, decode_steps)
+    inputs, source = prepare_inputs(artifact, inputs, batch, sequence, seed)
+    models = EagerModels.load(artifact)
+    reference, eager32_outputs, feeds = oracle_outputs(artifact, models, inputs)
     stages = list(artifact.output_names)
+    tokens = None
     if decode_steps:
-        lengths = [len(inputs["input_ids"][0]), decode_steps]
-        if sum(lengths) > artifact_config(artifact).max_positions:
-            raise InputError(f"prompt {lengths[0]} + {decode_steps} decode steps exceed max_positions="
-                             f"{artifact_config(artifact).max_positions}")
-        oracle = create_runner("eager-f64", artifact, protos=protos, eager_model=oracle_model)
-        decoded, tokens = _decode(oracle, artifact, inputs["input_ids"], decode_steps)
+        decoded, eager32_decoded, tokens = oracle_decode(artifact, models, inputs["input_ids"], decode_steps)
         reference.update(decoded)
-        eager32 = create_runner("eager", artifact, protos=protos, eager_model=eager32_model)
-        eager32_outputs.update(_decode(eager32, artifact, inputs["input_ids"], decode_steps, tokens)[0])
+        eager32_outputs.update(eager32_decoded)
         stages += list(decoded)
-    # The eager model's own error at the export dtype is the yardstick for every backend's tolerance;
-    # a non-finite one (float16 overflow in eager) must not make every tolerance infinite.
-    calibration = {name: float(np.max(np.abs(eager32_outputs[name].astype(np.float64) - reference[name]), initial=0.0))
-                   for name in stages}
-    calibration = {name: value if np.isfinite(value) else 0.0 for name, value in calibration.items()}
+    calibration = calibrate(reference, eager32_outputs, stages)
     report = CheckReport(
         artifact=artifact.location,
         stages=stages,
@@ -234,24 +214,113 @@ def cross_check(
         dtype=artifact_dtype(artifact),
     )
     for name in backends:
-        outputs, seconds, device, placement = {}, 0.0, "", None
-        for graph in artifact.graphs:
-            model = eager32_model if name == "eager" else oracle_model if name == "eager-f64" else None
-            runner = create_runner(name, artifact, graph.name, protos=protos, eager_model=model)
-            outputs.update(runner.run(feeds[graph.name]))
-            seconds += runner.last_inference_time or 0.0
-            device = runner.device
-            if getattr(runner, "binding_device", "cpu") != "cpu":
-                audit = runner.placement(feeds[graph.name]).to_dict()
-                if placement is None or (placement["ok"] and not audit["ok"]):
-                    placement = dict(audit, graph=graph.name, fallback_allowed=allow_cpu_fallback)
+        run = run_backend(name, artifact, models, feeds, allow_cpu_fallback)
         if decode_steps:
-            outputs.update(_decode(runner, artifact, inputs["input_ids"], decode_steps, tokens)[0])
-        comparison = compare(reference, outputs, dtype=artifact_dtype(artifact), tolerances=tolerances,
-                             calibration=calibration, order=stages)
-        report.backends.append(BackendResult(name, device, comparison, seconds, placement))
-        report.arrays["outputs"][name] = outputs
+            run.outputs.update(_decode(run.runner, artifact, inputs["input_ids"], decode_steps, tokens)[0])
+        report.backends.append(judge_backend(run, report, tolerances))
+        report.arrays["outputs"][name] = run.outputs
     return report
+
+
+# --------------------------------------------------------------------------- input preparation
+
+
+def refuse_uncheckable(artifact: Artifact, backends, tolerances: ToleranceConfig | None, decode_steps: int) -> None:
+    """Refuse a check that cannot give a verdict, before any model is built."""
+    if not backends:
+        raise ConfigError("no backends to check; name at least one, e.g. --backends eager,ort-cpu")
+    if decode_steps and not has_cache(artifact.graphs[0].input_specs):
+        raise ConfigError("--decode-steps needs a KV-cache artifact; export a language model with --variant serving")
+    for name in backends:
+        check_backend(name, artifact_dtype(artifact))  # fail on a typo before any model is built
+    level = (artifact.manifest.quantization or {}).get("accuracy_level")
+    if isinstance(level, int) and level >= INT8_ACTIVATIONS_LEVEL and tolerances is None:
+        # The oracle applies the dequantized weights to float activations; this graph rounds the
+        # activations to int8 first, so the default float tolerances would fail it on every run.
+        raise ConfigError(
+            f"{artifact.location}: quantized at --accuracy-level {level}, which rounds activations "
+            "to int8 inside MatMulNBits, so its outputs are not comparable with the float64 oracle at "
+            "float tolerances; check the same quantization made with --accuracy-level 0, or give "
+            "--tolerances with the error you accept"
+        )
+
+
+def prepare_inputs(
+    artifact: Artifact, inputs: dict[str, np.ndarray] | None, batch: int | None, sequence: int | None, seed: int
+) -> tuple[dict, str]:
+    """The check's inputs and where they came from: the caller's as given, else `default_inputs`."""
+    if inputs is None:
+        return default_inputs(artifact, batch, sequence, seed)
+    return inputs, "user-supplied"
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+@dataclass
+class EagerModels:
+    """The artifact's graphs and the eager model rebuilt from them, in float64 (the oracle) and float32.
+
+    Every runner of one check shares them, so the model is rebuilt once.
+    """
+
+    protos: dict
+    float64: torch.nn.Module
+    float32: torch.nn.Module
+
+    @classmethod
+    def load(cls, artifact: Artifact) -> EagerModels:
+        protos = {g.name: load_onnx(g.model_path) for g in artifact.graphs}
+        oracle = model_from_artifact(artifact, protos).to(torch.float64)
+        return cls(protos, oracle, copy.deepcopy(oracle).to(torch.float32))
+
+    def runner(self, name: str, artifact: Artifact, graph: str | None = None):
+        """The runner `name` for `graph` (the whole artifact by default); the eager backends reuse these models."""
+        model = self.float32 if name == "eager" else self.float64 if name == "eager-f64" else None
+        return create_runner(name, artifact, graph, protos=self.protos, eager_model=model)
+
+
+def oracle_outputs(artifact: Artifact, models: EagerModels, inputs: dict) -> tuple[dict, dict, dict]:
+    """Graph by graph: each graph's feed, the float64 oracle's outputs, and float32 eager's on the same feed.
+
+    Returns (reference, eager32 outputs, feeds by graph name).
+    """
+    reference, eager32_outputs, feeds = {}, {}, {}
+    for graph in artifact.graphs:
+        feeds[graph.name] = graph_feed(graph, inputs, reference)
+        reference.update(models.runner("eager-f64", artifact, graph.name).run(feeds[graph.name]))
+        eager32_outputs.update(models.runner("eager", artifact, graph.name).run(feeds[graph.name]))
+    return reference, eager32_outputs, feeds
+
+
+def calibrate(reference: dict, eager32_outputs: dict, stages: list[str]) -> dict[str, float]:
+    """Per stage, float32 eager's max abs error against the oracle.
+
+    The eager model's own error at the export dtype is the yardstick for every backend's tolerance;
+    a non-finite one (float16 overflow in eager) must not make every tolerance infinite.
+    """
+    calibration = {
+        name: float(np.max(np.abs(eager32_outputs[name].astype(np.float64) - reference[name]), initial=0.0))
+        for name in stages
+    }
+    return {name: value if np.isfinite(value) else 0.0 for name, value in calibration.items()}
+
+
+# --------------------------------------------------------------------------- decode steps
+
+
+def oracle_decode(artifact: Artifact, models: EagerModels, prompt: np.ndarray, steps: int) -> tuple[dict, dict, list]:
+    """The oracle's greedy decode of `steps` tokens after `prompt`, and float32 eager replaying its tokens.
+
+    Returns (oracle logits per step, eager32 logits per step, the oracle's tokens).
+    """
+    max_positions = artifact_config(artifact).max_positions
+    lengths = [len(prompt[0]), steps]
+    if sum(lengths) > max_positions:
+        raise InputError(f"prompt {lengths[0]} + {steps} decode steps exceed max_positions={max_positions}")
+    decoded, tokens = _decode(models.runner("eager-f64", artifact), artifact, prompt, steps)
+    eager32_decoded = _decode(models.runner("eager", artifact), artifact, prompt, steps, tokens)[0]
+    return decoded, eager32_decoded, tokens
 
 
 def _decode(runner, artifact: Artifact, prompt: np.ndarray, steps: int, tokens: list | None = None):
@@ -265,3 +334,52 @@ def _decode(runner, artifact: Artifact, prompt: np.ndarray, steps: int, tokens: 
         logits = lm.step(np.asarray(token, dtype=np.int64))
         outputs[f"decode.{k}.logits"] = np.asarray(logits)
     return outputs, chosen
+
+
+# --------------------------------------------------------------------------- one backend
+
+
+@dataclass
+class BackendRun:
+    """One backend's pass over every graph: its outputs, time, device and worst placement audit."""
+
+    name: str
+    outputs: dict[str, np.ndarray]
+    seconds: float
+    device: str
+    placement: dict | None
+    runner: object  # the last graph's runner; decode steps continue on it
+
+
+def run_backend(
+    name: str, artifact: Artifact, models: EagerModels, feeds: dict, allow_cpu_fallback: bool
+) -> BackendRun:
+    """Run backend `name` on every graph, each on the oracle's feed for it.
+
+    A GPU ONNX Runtime runner is also audited for placement; the first failing audit is kept.
+    """
+    outputs, seconds, device, placement, runner = {}, 0.0, "", None, None
+    for graph in artifact.graphs:
+        runner = models.runner(name, artifact, graph.name)
+        outputs.update(runner.run(feeds[graph.name]))
+        seconds += runner.last_inference_time or 0.0
+        device = runner.device
+        audit = runner.placement_audit(feeds[graph.name])
+        if audit is not None:
+            audit = audit.to_dict()
+            if placement is None or (placement["ok"] and not audit["ok"]):
+                placement = dict(audit, graph=graph.name, fallback_allowed=allow_cpu_fallback)
+    return BackendRun(name, outputs, seconds, device, placement, runner)
+
+
+def judge_backend(run: BackendRun, report: CheckReport, tolerances: ToleranceConfig | None) -> BackendResult:
+    """Compare one backend's outputs with the report's oracle, stage by stage, at the artifact's dtype."""
+    comparison = compare(
+        report.arrays["reference"],
+        run.outputs,
+        dtype=report.dtype,
+        tolerances=tolerances,
+        calibration=report.calibration,
+        order=report.stages,
+    )
+    return BackendResult(run.name, run.device, comparison, run.seconds, run.placement)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.base import check_feed
-from runners.compare import ToleranceConfig, compare
-from artifact import sha256_bytes, sha256_file, swap_in
+from artifact import sha256_bytes, sha256_file, swap_in, write_artifact
 from artifact.errors import InputError, ModelFileError
 from models.artifacts import artifact_config
+from runners.base import check_feed
+from runners.compare import ToleranceConfig, compare
 
 INDEX_FILE = "golden.json"
 FORMAT = "onnx-toolkit-golden"
@@ -66,8 +66,13 @@ def current_versions() -> dict[str, str]:
 
     import toolkit
 
-    versions = {"toolkit": toolkit.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
-                "numpy": np.__version__, "python": platform.python_version()}
+    versions = {
+        "toolkit": toolkit.__version__,
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
     for module in ("onnxruntime", "onnxscript"):
         try:
             versions[module] = __import__(module).__version__
@@ -94,14 +99,29 @@ def _graph_hashes(artifact) -> dict[str, str]:
 def save_golden(report, artifact, directory: str | os.PathLike) -> Path:
     """Store `report`'s inputs, oracle outputs and backend outputs in `directory`, atomically."""
     directory = Path(directory)
+    _refuse_to_replace(directory)
+    if not (report.backends and all(b.passed for b in report.backends)):
+        raise GoldenError(
+            "the check failed, so its outputs are not golden; fix the divergence first "
+            "(golden outputs are saved only from a passing check)"
+        )
+    _write_atomically(directory, golden_files(report, artifact))
+    return directory
+
+
+def _refuse_to_replace(directory: Path) -> None:
+    """Refuse a file, or a non-empty directory that holds no golden index (it may be anyone's)."""
     if directory.exists() and not directory.is_dir():
         raise GoldenError(f"--save-golden {directory}: exists and is not a directory; choose another path")
     if directory.is_dir() and any(directory.iterdir()) and not (directory / INDEX_FILE).is_file():
-        raise GoldenError(f"--save-golden {directory}: not empty and holds no {INDEX_FILE}; refusing to replace it, "
-                          "choose an empty or new directory")
-    if not (report.backends and all(b.passed for b in report.backends)):
-        raise GoldenError("the check failed, so its outputs are not golden; fix the divergence first "
-                          "(golden outputs are saved only from a passing check)")
+        raise GoldenError(
+            f"--save-golden {directory}: not empty and holds no {INDEX_FILE}; refusing to replace it, "
+            "choose an empty or new directory"
+        )
+
+
+def golden_files(report, artifact) -> dict[str, bytes]:
+    """The golden directory's files: one .npz per group (inputs, reference, backend.NAME) and the index."""
     arrays = report.arrays
     groups = {"inputs": arrays["inputs"], "reference": {s: arrays["reference"][s] for s in report.stages}}
     for name, outputs in arrays["outputs"].items():
@@ -110,16 +130,23 @@ def save_golden(report, artifact, directory: str | os.PathLike) -> Path:
     for group, values in groups.items():
         data = _npz_bytes(values)
         files[f"{group}.npz"] = data
-        entries[group] = {"file": f"{group}.npz", "sha256": sha256_bytes(data),
-                          "arrays": {name: _array_entry(a) for name, a in values.items()}}
+        entries[group] = {
+            "file": f"{group}.npz",
+            "sha256": sha256_bytes(data),
+            "arrays": {name: _array_entry(a) for name, a in values.items()},
+        }
     index = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": current_versions(),
-        "artifact": {"preset": artifact.manifest.preset, "family": artifact.family,
-                     "variant": artifact.variant, "graph_sha256": _graph_hashes(artifact),
-                     "export_versions": artifact.manifest.versions},
+        "artifact": {
+            "preset": artifact.manifest.preset,
+            "family": artifact.family,
+            "variant": artifact.variant,
+            "graph_sha256": _graph_hashes(artifact),
+            "export_versions": artifact.manifest.versions,
+        },
         "reference": ORACLE,
         "input_source": report.input_source,
         "stages": list(report.stages),
@@ -128,21 +155,25 @@ def save_golden(report, artifact, directory: str | os.PathLike) -> Path:
         "groups": entries,
     }
     files[INDEX_FILE] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+    return files
+
+
+def _write_atomically(directory: Path, files: dict[str, bytes]) -> None:
+    """Write `files` into a new sibling directory with the foundation's writer (each file fsynced, the whole
+    read back by load_golden), then swap it in for `directory` in one step.
+
+    write_artifact replaces only an artifact directory (one holding manifest.json), which a golden
+    directory is not; so it fills an empty staging directory and the swap into place is done here.
+    """
     parent = directory.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
     try:
-        for name, data in files.items():
-            with open(tmp / name, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        load_golden(tmp)  # what we wrote must read back before it replaces anything
-        swap_in(tmp, directory)
+        write_artifact(staging, files, verify=load_golden)  # what we wrote must read back before it counts
+        swap_in(staging, directory)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return directory
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def load_golden(directory: str | os.PathLike) -> Golden:
@@ -150,11 +181,14 @@ def load_golden(directory: str | os.PathLike) -> Golden:
     directory = Path(directory)
     index_path = directory / INDEX_FILE
     if not directory.is_dir():
-        raise GoldenError(f"--golden {directory}: no such directory; create it with `toolkit check --save-golden "
-                          f"{directory}`")
+        raise GoldenError(
+            f"--golden {directory}: no such directory; create it with `toolkit check --save-golden {directory}`"
+        )
     if not index_path.is_file():
-        raise GoldenError(f"--golden {directory}: missing {INDEX_FILE}; not a golden directory (create one with "
-                          "`toolkit check --save-golden DIR`)")
+        raise GoldenError(
+            f"--golden {directory}: missing {INDEX_FILE}; not a golden directory (create one with "
+            "`toolkit check --save-golden DIR`)"
+        )
     try:
         index = json.loads(index_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -162,8 +196,10 @@ def load_golden(directory: str | os.PathLike) -> Golden:
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise GoldenError(f"{index_path}: not a golden index (expected format {FORMAT!r})")
     if index.get("format_version") != FORMAT_VERSION:
-        raise GoldenError(f"{index_path}: format_version {index.get('format_version')!r} is not supported "
-                          f"(this toolkit reads {FORMAT_VERSION}); re-create it with --save-golden")
+        raise GoldenError(
+            f"{index_path}: format_version {index.get('format_version')!r} is not supported "
+            f"(this toolkit reads {FORMAT_VERSION}); re-create it with --save-golden"
+        )
     for key in ("stages", "groups", "versions", "artifact"):
         if key not in index:
             raise GoldenError(f"{index_path}: lacks the {key!r} field; re-create it with --save-golden")
@@ -180,8 +216,10 @@ def load_golden(directory: str | os.PathLike) -> Golden:
             raise GoldenError(f"{path}: missing; the golden directory is incomplete, re-create it with --save-golden")
         actual = sha256_file(path)
         if actual != entry.get("sha256"):
-            raise GoldenError(f"{path}: sha256 {actual[:12]}… does not match the index's "
-                              f"{str(entry.get('sha256'))[:12]}…; the golden file was modified or corrupted")
+            raise GoldenError(
+                f"{path}: sha256 {actual[:12]}… does not match the index's "
+                f"{str(entry.get('sha256'))[:12]}…; the golden file was modified or corrupted"
+            )
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {name: data[name] for name in data.files}
@@ -192,8 +230,10 @@ def load_golden(directory: str | os.PathLike) -> Golden:
             raise GoldenError(f"{path}: holds arrays {sorted(arrays)} but the index lists {sorted(expected)}")
         for name, array in arrays.items():
             if _array_entry(array) != expected[name]:
-                raise GoldenError(f"{path}: array {name!r} ({array.dtype.name} {list(array.shape)}) does not match "
-                                  f"its index entry {expected[name]}")
+                raise GoldenError(
+                    f"{path}: array {name!r} ({array.dtype.name} {list(array.shape)}) does not match "
+                    f"its index entry {expected[name]}"
+                )
         loaded[group] = arrays
     missing = [s for s in index["stages"] if s not in loaded["reference"]]
     if missing:
@@ -207,18 +247,26 @@ def check_inputs_fit(golden: Golden, artifact) -> None:
     produced = {name for g in artifact.graphs for name in g.output_names}
     for graph in artifact.graphs:
         # Inputs an earlier graph produces are not stored; an omitted KV cache is implied empty.
-        specs = [s for s in graph.input_specs if s.name not in produced and (
-            s.name in golden.inputs or not (s.name.startswith("past") or s.name == "position_ids"))]
+        specs = [
+            s
+            for s in graph.input_specs
+            if s.name not in produced
+            and (s.name in golden.inputs or not (s.name.startswith("past") or s.name == "position_ids"))
+        ]
         feed = {s.name: golden.inputs[s.name] for s in specs if s.name in golden.inputs}
         try:
             check_feed(specs, feed, artifact_config(artifact))
         except InputError as exc:
-            raise GoldenError(f"--golden {golden.directory}: its inputs do not fit {artifact.location} ({exc}); "
-                              "the golden outputs belong to another model, re-create them with --save-golden") from None
+            raise GoldenError(
+                f"--golden {golden.directory}: its inputs do not fit {artifact.location} ({exc}); "
+                "the golden outputs belong to another model, re-create them with --save-golden"
+            ) from None
     extra = sorted(set(golden.inputs) - {s.name for g in artifact.graphs for s in g.input_specs})
     if extra:
-        raise GoldenError(f"--golden {golden.directory}: inputs {extra} are not inputs of {artifact.location}; "
-                          "the golden outputs belong to another model")
+        raise GoldenError(
+            f"--golden {golden.directory}: inputs {extra} are not inputs of {artifact.location}; "
+            "the golden outputs belong to another model"
+        )
 
 
 def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceConfig | None = None) -> None:
@@ -230,8 +278,14 @@ def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceC
     oracle = compare(golden.reference, today["reference"], dtype="float64", tolerances=tolerances, order=stages)
     report.golden.append(BackendResult(ORACLE, "today's float64 oracle vs golden", oracle, 0.0))
     for backend in report.backends:
-        comparison = compare(golden.reference, today["outputs"][backend.name], dtype=report.dtype,
-                             tolerances=tolerances, calibration=report.calibration, order=stages)
+        comparison = compare(
+            golden.reference,
+            today["outputs"][backend.name],
+            dtype=report.dtype,
+            tolerances=tolerances,
+            calibration=report.calibration,
+            order=stages,
+        )
         report.golden.append(BackendResult(backend.name, backend.device, comparison, backend.seconds))
     then = golden.index["artifact"].get("graph_sha256") or {}
     now = _graph_hashes(artifact)

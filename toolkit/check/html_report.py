@@ -83,8 +83,9 @@ def attention_heatmaps(report: CheckReport, plt) -> list[tuple[str, str]]:
                 ax.set_ylabel("query position", fontsize=8)
             if heads[h].size <= 64:  # small maps are readable with their numbers
                 for (i, j), p in np.ndenumerate(heads[h]):
-                    ax.text(j, i, f"{p:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if p < 0.5 else "black")
+                    ax.text(
+                        j, i, f"{p:.2f}", ha="center", va="center", fontsize=7, color="white" if p < 0.5 else "black"
+                    )
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
         fig.suptitle(f"{name} (float64 oracle, batch row 0)", fontsize=10)
         images.append((name, _png(fig)))
@@ -117,26 +118,35 @@ def render_html(report: CheckReport) -> str:
             result = backend.comparison[stage]
             verdict = "ok" if result.passed else "FAIL"
             title = e(result.reason or f"allowed {_fmt(result.allowed)}")
-            cells.append(f'<td class="{"pass" if result.passed else "fail"}" data-backend="{e(backend.name)}" '
-                         f'data-stage="{e(stage)}" title="{title}">{_fmt(result.max_abs)} {verdict}</td>')
+            cells.append(
+                f'<td class="{"pass" if result.passed else "fail"}" data-backend="{e(backend.name)}" '
+                f'data-stage="{e(stage)}" title="{title}">{_fmt(result.max_abs)} {verdict}</td>'
+            )
         shape = "x".join(str(d) for d in first.reference_shape) if first else "?"
-        rows.append(f'<tr><th scope="row">{e(stage)}</th><td>{shape}</td><td>{_fmt(first.allowed if first else None)}'
-                    f'</td>{"".join(cells)}</tr>')
+        rows.append(
+            f'<tr><th scope="row">{e(stage)}</th><td>{shape}</td><td>{_fmt(first.allowed if first else None)}'
+            f"</td>{''.join(cells)}</tr>"
+        )
     summary = "".join(
         f'<li><b>{e(b.name)}</b> <span class="verdict-{"pass" if b.passed else "fail"}">'
-        f'{"PASS" if b.passed else "FAIL at " + e(str(b.first_divergence))}</span> on {e(b.device)}, '
-        f'{b.seconds * 1e3:.1f} ms</li>' for b in report.backends)
+        f"{'PASS' if b.passed else 'FAIL at ' + e(str(b.first_divergence))}</span> on {e(b.device)}, "
+        f"{b.seconds * 1e3:.1f} ms</li>"
+        for b in report.backends
+    )
     parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
         f"<title>toolkit check: {'PASS' if report.passed else 'FAIL'}</title><style>{CSS}</style></head><body>",
         f'<h1 id="verdict" class="verdict-{"pass" if report.passed else "fail"}">toolkit check: '
-        f'{"PASS" if report.passed else "FAIL"}</h1>',
+        f"{'PASS' if report.passed else 'FAIL'}</h1>",
         f"<p>artifact <code>{e(report.artifact)}</code>; inputs "
         f"{e(', '.join(k + ' ' + 'x'.join(map(str, v)) for k, v in report.inputs.items()))} "
         f"({e(report.input_source)}); reference eager-f64 (PyTorch float64). Cells: max abs error vs the reference.</p>",
         '<table id="results"><thead><tr><th>stage</th><th>shape</th><th>allowed</th>'
-        + "".join(f'<th data-backend="{e(n)}">{e(n)}</th>' for n in names) + "</tr></thead><tbody>"
-        + "".join(rows) + "</tbody></table>",
+        + "".join(f'<th data-backend="{e(n)}">{e(n)}</th>' for n in names)
+        + "</tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>",
         f"<ul>{summary}</ul>",
     ]
     if report.golden:
@@ -144,22 +154,37 @@ def render_html(report: CheckReport) -> str:
         items = []
         for result in report.golden:
             failure = result.comparison.first_failure
-            items.append(f"<li><b>{e(result.name)}</b>: " + ("matches golden" if failure is None else
-                         f'<span class="verdict-fail">drifted at {e(failure.name)}: {e(failure.reason)}</span>')
-                         + "</li>")
-        parts.append(f'<h2>Golden outputs</h2><p><code>{e(str(info.get("directory")))}</code>, saved '
-                     f'{e(str(info.get("created")))}; graphs changed: {e(", ".join(info.get("graphs_changed") or []) or "none")}'
-                     f'</p><ul id="golden">{"".join(items)}</ul>')
+            items.append(
+                f"<li><b>{e(result.name)}</b>: "
+                + (
+                    "matches golden"
+                    if failure is None
+                    else f'<span class="verdict-fail">drifted at {e(failure.name)}: {e(failure.reason)}</span>'
+                )
+                + "</li>"
+            )
+        parts.append(
+            f"<h2>Golden outputs</h2><p><code>{e(str(info.get('directory')))}</code>, saved "
+            f"{e(str(info.get('created')))}; graphs changed: {e(', '.join(info.get('graphs_changed') or []) or 'none')}"
+            f'</p><ul id="golden">{"".join(items)}</ul>'
+        )
     if report.localizations:
-        parts.append('<h2>Localisation</h2><ul id="localization">'
-                     + "".join(f"<li>{e(loc.describe())}</li>" for loc in report.localizations) + "</ul>")
+        parts.append(
+            '<h2>Localisation</h2><ul id="localization">'
+            + "".join(f"<li>{e(loc.describe())}</li>" for loc in report.localizations)
+            + "</ul>"
+        )
     if report.backends:
-        parts.append(f'<h2>Error per stage</h2><img id="error-plot" alt="max and mean abs error per stage" '
-                     f'src="{error_plot(report, plt)}">')
+        parts.append(
+            f'<h2>Error per stage</h2><img id="error-plot" alt="max and mean abs error per stage" '
+            f'src="{error_plot(report, plt)}">'
+        )
     heatmaps = attention_heatmaps(report, plt)
     if heatmaps:
         parts.append("<h2>Attention probabilities</h2>")
-        parts.extend(f'<figure><img class="attention" alt="{e(name)}" src="{src}"><figcaption>{e(name)}'
-                     f"</figcaption></figure>" for name, src in heatmaps)
+        parts.extend(
+            f'<figure><img class="attention" alt="{e(name)}" src="{src}"><figcaption>{e(name)}</figcaption></figure>'
+            for name, src in heatmaps
+        )
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -25,7 +25,7 @@ and two independent questions are asked node by node, in topological order:
    either (a value eager never materialises, like the Sigmoid inside silu, is
    vindicated by a matching consumer). This answers export faults.
 
-Per-node tolerances are derived from float32 rounding, see `node_bound`.
+Per-node tolerances are derived from float32 rounding, see `node_scale`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto, helper, numpy_helper
 
+from artifact import GraphArtifact, load_onnx
 from artifact.errors import BackendUnavailableError, ComparisonError
 from models.artifacts import artifact_config
 
@@ -44,16 +45,48 @@ EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 ulp at 1.0, twice 
 
 # Ops that only move or select values: a correct backend reproduces its inputs' bits exactly.
 EXACT_OPS = {
-    "Identity", "Reshape", "Transpose", "Slice", "Concat", "Gather", "GatherElements", "Unsqueeze", "Squeeze",
-    "Expand", "Where", "Split", "Tile", "Flatten", "Pad", "ReduceMax", "ReduceMin", "Max", "Min", "Relu",
-    "Neg", "Abs", "Trilu", "ScatterND", "DepthToSpace", "SpaceToDepth",
+    "Identity",
+    "Reshape",
+    "Transpose",
+    "Slice",
+    "Concat",
+    "Gather",
+    "GatherElements",
+    "Unsqueeze",
+    "Squeeze",
+    "Expand",
+    "Where",
+    "Split",
+    "Tile",
+    "Flatten",
+    "Pad",
+    "ReduceMax",
+    "ReduceMin",
+    "Max",
+    "Min",
+    "Relu",
+    "Neg",
+    "Abs",
+    "Trilu",
+    "ScatterND",
+    "DepthToSpace",
+    "SpaceToDepth",
 }
 # IEEE correctly rounded: one rounding of the result, at most half an ulp.
 ROUNDED_OPS = {"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Cast", "CastLike"}
 # Library approximations (MLAS, CUDA math) are accurate to a few ulps; 8 ulps covers them with room.
 TRANSCENDENTAL_ULPS = 8
-CONTRACTING_OPS = {"MatMul", "Gemm", "ReduceSum", "ReduceMean", "Softmax", "LogSoftmax", "LayerNormalization",
-                   "ReduceL2", "ReduceSumSquare"}
+CONTRACTING_OPS = {
+    "MatMul",
+    "Gemm",
+    "ReduceSum",
+    "ReduceMean",
+    "Softmax",
+    "LogSoftmax",
+    "LayerNormalization",
+    "ReduceL2",
+    "ReduceSumSquare",
+}
 SHAPE_ONLY_OPS = {"Shape", "Size"}
 
 
@@ -77,8 +110,10 @@ class NodeFinding:
 
     def describe(self) -> str:
         where = f" (inside {self.function})" if self.function else ""
-        return (f"node #{self.index} {self.op_type} {self.name!r}{where}, inputs {self.inputs} -> {self.outputs}: "
-                f"{self.detail}")
+        return (
+            f"node #{self.index} {self.op_type} {self.name!r}{where}, inputs {self.inputs} -> {self.outputs}: "
+            f"{self.detail}"
+        )
 
 
 @dataclass
@@ -92,19 +127,31 @@ class Localization:
     suspects: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"backend": self.backend, "stage": self.stage, "graph": self.graph, "nodes_checked": self.nodes_checked,
-                "finding": None if self.finding is None else self.finding.to_dict(), "note": self.note}
+        return {
+            "backend": self.backend,
+            "stage": self.stage,
+            "graph": self.graph,
+            "nodes_checked": self.nodes_checked,
+            "finding": None if self.finding is None else self.finding.to_dict(),
+            "note": self.note,
+        }
 
     def describe(self) -> str:
-        head = f"localize {self.backend} at stage {self.stage} ({self.graph} graph, {self.nodes_checked} nodes checked): "
+        head = (
+            f"localize {self.backend} at stage {self.stage} ({self.graph} graph, {self.nodes_checked} nodes checked): "
+        )
         if self.finding is None:
             return head + (self.note or "no node leaves tolerance")
-        blame = ("the backend computes it wrongly on its own inputs" if self.finding.cause == "backend"
-                 else "the graph differs from the PyTorch model here (an export fault)")
+        blame = (
+            "the backend computes it wrongly on its own inputs"
+            if self.finding.cause == "backend"
+            else "the graph differs from the PyTorch model here (an export fault)"
+        )
         return head + f"first divergent {self.finding.describe()}; {blame}"
 
 
 # --------------------------------------------------------------------------- graph preparation
+
 
 def inline_with_origins(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str | None]]:
     """Inline the model's local functions; for each inlined node, the call it came from (None if original)."""
@@ -153,15 +200,12 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
                 attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float64), attr.t.name))
         if node.op_type == "Constant":
             for attr in node.attribute:
-                if attr.name == "value_float":  # a scalar attribute has no dtype of its own; make it a tensor
-                    value = attr.f
+                # A float attribute has no dtype of its own; make it a float64 tensor.
+                if attr.name in ("value_float", "value_floats"):
+                    value = attr.f if attr.name == "value_float" else list(attr.floats)
                     node.ClearField("attribute")
-                    node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.array(value, np.float64))))
-                    break
-                if attr.name == "value_floats":
-                    values = list(attr.floats)
-                    node.ClearField("attribute")
-                    node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.array(values, np.float64))))
+                    tensor = numpy_helper.from_array(np.array(value, np.float64))
+                    node.attribute.append(helper.make_attribute("value", tensor))
                     break
     return model
 
@@ -169,7 +213,8 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 def with_all_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """A copy whose graph outputs are `names` (typed by shape inference) so every value can be read back."""
     inferred = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input)}
+    graph = inferred.graph
+    types = {v.name: v for v in list(graph.value_info) + list(graph.output) + list(graph.input)}
     model = onnx.ModelProto.FromString(model.SerializeToString())
     del model.graph.output[:]
     for name in names:
@@ -182,6 +227,7 @@ def with_all_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProt
 
 # --------------------------------------------------------------------------- tolerances
 
+
 def node_scale(op_type: str, inputs: list, output: np.ndarray) -> tuple[float, int]:
     """(magnitude, rounding steps) of a node: its float32 error bound is steps * EPS32 * magnitude.
 
@@ -192,8 +238,11 @@ def node_scale(op_type: str, inputs: list, output: np.ndarray) -> tuple[float, i
     a softmax adds the exp's few ulps and the division. Data movement: 0, any difference is a fault.
     """
     out_max = _finite_max(output)
-    floats = [np.asarray(x, dtype=np.float64) for x in inputs
-              if x is not None and np.issubdtype(np.asarray(x).dtype, np.floating)]
+    floats = [
+        np.asarray(x, dtype=np.float64)
+        for x in inputs
+        if x is not None and np.issubdtype(np.asarray(x).dtype, np.floating)
+    ]
     if op_type in EXACT_OPS:
         return out_max, 0
     if op_type in ROUNDED_OPS:
@@ -234,13 +283,14 @@ def differ(got: np.ndarray, want: np.ndarray) -> float:
 
 # --------------------------------------------------------------------------- backends
 
+
 def run_backend_all(backend: str, model: onnx.ModelProto, feed: dict) -> dict[str, np.ndarray]:
     """Run the float32 inlined graph (every value an output) on `backend`."""
     names = [o.name for o in model.graph.output]
     if backend == "onnx-reference":
         from onnx.reference import ReferenceEvaluator
 
-        return dict(zip(names, ReferenceEvaluator(model).run(None, feed)))
+        return dict(zip(names, ReferenceEvaluator(model).run(None, feed), strict=True))
     if backend.startswith("ort-"):
         import onnxruntime
 
@@ -248,7 +298,7 @@ def run_backend_all(backend: str, model: onnx.ModelProto, feed: dict) -> dict[st
 
         provider = PROVIDERS[backend]
         session = onnxruntime.InferenceSession(model.SerializeToString(), providers=[provider])
-        return dict(zip(names, session.run(names, feed)))
+        return dict(zip(names, session.run(names, feed), strict=True))
     raise BackendUnavailableError(
         f"--localize: backend {backend!r} does not run the ONNX graph, so it has no ONNX nodes to localise; "
         "localise an ONNX backend (ort-cpu, onnx-reference, ort-cuda)"
@@ -263,11 +313,16 @@ def evaluate_node64(node: onnx.NodeProto, opsets: dict[str, int], inputs: dict[s
     for attr in node64.attribute:
         if node64.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
             attr.i = TensorProto.DOUBLE
-    feed = {k: (v.astype(np.float64) if v.dtype == np.float32 else v) for k, v in inputs.items()}
-    return ReferenceEvaluator(node64, opsets=opsets).run(None, feed)
+    return ReferenceEvaluator(node64, opsets=opsets).run(None, widened(inputs))
+
+
+def widened(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """float32 arrays widened to float64 (exactly); every other array as it is."""
+    return {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in values.items()}
 
 
 # --------------------------------------------------------------------------- eager capture
+
 
 def eager_tensors(artifact, graph_name: str, feed: dict) -> list[np.ndarray]:
     """Every floating tensor the float64 eager model materialises while computing `graph_name` on `feed`."""
@@ -305,23 +360,96 @@ def _key(array: np.ndarray) -> tuple:
     return tuple(d for d in np.shape(array) if d != 1)
 
 
-# --------------------------------------------------------------------------- the analysis
+# --------------------------------------------------------------------------- the failing stage's cone
 
-def localize_stage(artifact, backend: str, stage: str, feed: dict, *, graph_name: str | None = None) -> Localization:
-    """Name the first ONNX node of `stage`'s computation that `backend` (or the graph itself) gets wrong."""
-    from artifact import load_onnx
 
-    graph_art = next((g for g in artifact.graphs if stage in g.output_names), None) if graph_name is None \
-        else artifact.graph(graph_name)
-    if graph_art is None:
+@dataclass
+class StageCone:
+    """The failing stage's computation in the inlined graph: the nodes both questions walk, and their values'
+    sources besides the nodes themselves (initializers and the graph's feed)."""
+
+    graph: GraphArtifact  # the artifact's graph that outputs the stage
+    model: onnx.ModelProto  # that graph with its functions inlined
+    nodes: list[onnx.NodeProto]  # every node of `model`, in its (topological) order
+    origins: list[str | None]  # per node, the function call it was inlined from
+    order: list[int]  # the indices of the nodes the stage depends on, in topological order
+    data: set[str]  # the values that depend on the data; only these are judged
+    feed: dict[str, np.ndarray]
+    initializers: dict[str, np.ndarray]
+
+    @property
+    def value_names(self) -> list[str]:
+        return [out for i in self.order for out in self.nodes[i].output if out]
+
+    @property
+    def opsets(self) -> dict[str, int]:
+        return {o.domain: o.version for o in self.model.opset_import}
+
+    def value(self, name: str, values: dict):
+        """A value as a node reads it: computed (`values`), else an initializer, else a graph input."""
+        if name in values:
+            return values[name]
+        if name in self.initializers:
+            return self.initializers[name]
+        return self.feed.get(name)
+
+    def judged_outputs(self, node: onnx.NodeProto, values: dict) -> list[str]:
+        """The node's outputs that depend on the data and hold floats in `values`."""
+        return [o for o in node.output if o in self.data and np.issubdtype(np.asarray(values[o]).dtype, np.floating)]
+
+    def consumers(self) -> dict[str, list[int]]:
+        """For each value, the cone's nodes that read it."""
+        readers: dict[str, list[int]] = {}
+        for i in self.order:
+            for x in self.nodes[i].input:
+                readers.setdefault(x, []).append(i)
+        return readers
+
+    def finding(self, cause: str, i: int, max_abs: float, allowed: float, detail: str) -> NodeFinding:
+        node = self.nodes[i]
+        return NodeFinding(
+            cause,
+            i,
+            node.op_type,
+            node.name,
+            list(node.input),
+            list(node.output),
+            self.origins[i],
+            max_abs,
+            allowed,
+            detail,
+        )
+
+
+def stage_graph(artifact, stage: str, graph_name: str | None = None) -> GraphArtifact:
+    """The graph named `graph_name`, or by default the graph that outputs `stage`."""
+    if graph_name is not None:
+        return artifact.graph(graph_name)
+    graph = next((g for g in artifact.graphs if stage in g.output_names), None)
+    if graph is None:
         raise ComparisonError(f"--localize: stage {stage!r} is not an output of any graph of {artifact.location}")
-    proto = load_onnx(graph_art.model_path)
-    inlined, origins = inline_with_origins(proto)
-    nodes = list(inlined.graph.node)
-    opsets = {o.domain: o.version for o in inlined.opset_import}
-    feed = {s.name: feed[s.name] for s in graph_art.input_specs}
+    return graph
 
-    # The failing stage's cone: every node it depends on, in the graph's (topological) order.
+
+def stage_cone(graph: GraphArtifact, stage: str, feed: dict) -> StageCone:
+    """Inline `graph` and collect the nodes `stage` depends on; `feed` may hold other graphs' inputs too."""
+    inlined, origins = inline_with_origins(load_onnx(graph.model_path))
+    nodes = list(inlined.graph.node)
+    order = cone_order(nodes, stage)
+    return StageCone(
+        graph=graph,
+        model=inlined,
+        nodes=nodes,
+        origins=origins,
+        order=order,
+        data=data_dependent(inlined.graph, nodes, order),
+        feed={s.name: feed[s.name] for s in graph.input_specs},
+        initializers={i.name: numpy_helper.to_array(i) for i in inlined.graph.initializer},
+    )
+
+
+def cone_order(nodes: list[onnx.NodeProto], stage: str) -> list[int]:
+    """The indices of every node `stage` depends on, in the graph's (topological) order."""
     producer = {out: i for i, n in enumerate(nodes) for out in n.output}
     cone, todo = set(), [stage]
     while todo:
@@ -331,112 +459,166 @@ def localize_stage(artifact, backend: str, stage: str, feed: dict, *, graph_name
             continue
         cone.add(i)
         todo.extend(x for x in nodes[i].input if x)
-    order = sorted(cone)
-    # Values that depend on the data (not only on shapes and constants): only these are judged.
-    data = _float_input_names(inlined.graph)
+    return sorted(cone)
+
+
+def data_dependent(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], order: list[int]) -> set[str]:
+    """The float graph inputs and every value computed from them (not only from shapes and constants)."""
+    data = _float_input_names(graph)
     for i in order:
         node = nodes[i]
         # Shape reads only the shape, CastLike's second input only its dtype.
         carried = node.input[:1] if node.op_type == "CastLike" else node.input
         if node.op_type not in SHAPE_ONLY_OPS and any(x in data for x in carried):
             data.update(node.output)
-    value_names = [out for i in order for out in nodes[i].output if out]
+    return data
 
-    backend_values = run_backend_all(backend, with_all_outputs(inlined, value_names), feed)
-    model64 = with_all_outputs(to_float64(inlined), value_names)
+
+def float64_values(cone: StageCone) -> dict[str, np.ndarray]:
+    """Every value of the cone computed by the graph converted to float64, on onnx.reference."""
     from onnx.reference import ReferenceEvaluator
 
-    feed64 = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feed.items()}
-    values64 = dict(zip(value_names, ReferenceEvaluator(model64).run(None, feed64)))
-    initializers = {i.name: numpy_helper.to_array(i) for i in inlined.graph.initializer}
+    names = cone.value_names
+    model64 = with_all_outputs(to_float64(cone.model), names)
+    return dict(zip(names, ReferenceEvaluator(model64).run(None, widened(cone.feed)), strict=True))
 
-    def known(name, values):
-        if name in values:
-            return values[name]
-        if name in initializers:
-            return initializers[name]
-        return feed.get(name)
 
-    # 1. Runtime faults: each node re-evaluated in float64 on the backend's own inputs.
+# --------------------------------------------------------------------------- question 1: runtime faults
+
+
+def find_backend_fault(cone: StageCone, backend_values: dict) -> tuple[NodeFinding | None, int]:
+    """The first node whose backend output differs from float64 on the backend's own inputs by more than the
+    node's float32 rounding bound (None if none does), and how many nodes were judged."""
     checked = 0
-    for i in order:
-        node = nodes[i]
-        outputs = [o for o in node.output if o in data and np.issubdtype(np.asarray(backend_values[o]).dtype, np.floating)]
+    for i in cone.order:
+        outputs = cone.judged_outputs(cone.nodes[i], backend_values)
         if not outputs:
             continue
         checked += 1
-        ins = {x: np.asarray(known(x, backend_values)) for x in node.input if x}
-        expected = evaluate_node64(node, opsets, ins)
-        for name, want in zip(node.output, expected):
-            if name not in outputs:
-                continue
-            got = backend_values[name]
-            magnitude, steps = node_scale(node.op_type, [ins.get(x) for x in node.input], want)
-            allowed = steps * EPS32 * magnitude
-            error = differ(got, want)
-            if not error <= allowed:
-                return Localization(backend, stage, graph_art.name, NodeFinding(
-                    "backend", i, node.op_type, node.name, list(node.input), list(node.output), origins[i],
-                    error, allowed,
-                    f"output {name!r}: max abs {error:.3g} vs float64 on the backend's own inputs, allowed {allowed:.3g} "
-                    f"({steps} x float32 eps x magnitude {magnitude:.3g})"), checked)
+        finding = backend_node_fault(cone, i, outputs, backend_values)
+        if finding is not None:
+            return finding, checked
+    return None, checked
 
-    # 2. Export faults: the float64 graph against the tensors eager float64 materialises.
+
+def backend_node_fault(cone: StageCone, i: int, outputs: list[str], backend_values: dict) -> NodeFinding | None:
+    """Node i re-evaluated in float64 on the backend's inputs; a finding for the first of `outputs` out of bound."""
+    node = cone.nodes[i]
+    ins = {x: np.asarray(cone.value(x, backend_values)) for x in node.input if x}
+    expected = evaluate_node64(node, cone.opsets, ins)
+    for name, want in zip(node.output, expected, strict=False):
+        if name not in outputs:
+            continue
+        got = backend_values[name]
+        magnitude, steps = node_scale(node.op_type, [ins.get(x) for x in node.input], want)
+        allowed = steps * EPS32 * magnitude
+        error = differ(got, want)
+        if not error <= allowed:
+            return cone.finding(
+                "backend",
+                i,
+                error,
+                allowed,
+                f"output {name!r}: max abs {error:.3g} vs float64 on the backend's own inputs, "
+                f"allowed {allowed:.3g} ({steps} x float32 eps x magnitude {magnitude:.3g})",
+            )
+    return None
+
+
+# --------------------------------------------------------------------------- question 2: export faults
+
+
+def eager_by_shape(artifact, graph_name: str, feed: dict) -> dict[tuple, list[np.ndarray]]:
+    """The eager float64 model's tensors for `graph_name` on `feed`, grouped by shape without unit axes."""
     captured: dict[tuple, list[np.ndarray]] = {}
-    for array in eager_tensors(artifact, graph_art.name, feed):
+    for array in eager_tensors(artifact, graph_name, feed):
         captured.setdefault(_key(array), []).append(array)
+    return captured
+
+
+def eager_matches(cone: StageCone, values64: dict, captured: dict[tuple, list[np.ndarray]]) -> dict[int, tuple]:
+    """For each judged node: (max abs difference of its float64 value to the closest eager tensor, allowed)."""
     depth: dict[str, int] = {}
-    matched: dict[int, bool] = {}
-    bounds: dict[int, tuple[float, float]] = {}
-    for i in order:
-        node = nodes[i]
+    matches: dict[int, tuple[float, float]] = {}
+    for i in cone.order:
+        node = cone.nodes[i]
         depth_here = 1 + max((depth.get(x, 0) for x in node.input), default=0)
         for out in node.output:
             depth[out] = depth_here
-        outs = [o for o in node.output if o in data and np.issubdtype(np.asarray(values64[o]).dtype, np.floating)]
+        outs = cone.judged_outputs(node, values64)
         if not outs:
             continue
         value = values64[outs[0]]
-        ins = [known(x, values64) for x in node.input]
-        magnitude, _ = node_scale(node.op_type, ins, value)
+        magnitude, _ = node_scale(node.op_type, [cone.value(x, values64) for x in node.input], value)
         # The float64 graph and float64 eager differ only where the graph holds float32-rounded constants
         # (e.g. a scale or an epsilon): to first order each of the depth operations on the path can carry one
         # such relative rounding, so (depth + 1) float32 ulps of the node's magnitude.
         allowed = (depth_here + 1) * EPS32 * max(magnitude, float(np.finfo(np.float64).tiny))
-        best = min((differ(value.reshape(c.shape), c) for c in captured.get(_key(value), []) if c.size == value.size),
-                   default=float("inf"))
-        matched[i] = best <= allowed
-        bounds[i] = (best, allowed)
-    consumers: dict[str, list[int]] = {}
-    for i in order:
-        for x in nodes[i].input:
-            consumers.setdefault(x, []).append(i)
+        best = min(
+            (differ(value.reshape(c.shape), c) for c in captured.get(_key(value), []) if c.size == value.size),
+            default=float("inf"),
+        )
+        matches[i] = (best, allowed)
+    return matches
 
-    def all_downstream_unmatched(i: int) -> bool:
-        seen, todo = set(), [i]
-        while todo:
-            j = todo.pop()
-            for out in nodes[j].output:
-                for k in consumers.get(out, []):
-                    if k in seen:
-                        continue
-                    seen.add(k)
-                    if matched.get(k):
-                        return False
-                    todo.append(k)
-        return True
 
-    for i in order:
-        if i in matched and not matched[i] and all_downstream_unmatched(i):
-            node = nodes[i]
-            best, allowed = bounds[i]
-            detail = (f"its float64 value matches no tensor of the eager float64 model (closest max abs "
-                      f"{best:.3g}, allowed {allowed:.3g}), and nothing downstream of it in {stage!r} matches either")
-            return Localization(backend, stage, graph_art.name, NodeFinding(
-                "graph", i, node.op_type, node.name, list(node.input), list(node.output), origins[i],
-                best, allowed, detail), checked)
-    return Localization(backend, stage, graph_art.name, None, checked,
-                        note="every node agrees with float64 on its own inputs and with the eager model's tensors")
+def all_downstream_unmatched(
+    cone: StageCone, consumers: dict[str, list[int]], matched: dict[int, bool], i: int
+) -> bool:
+    """No node fed, directly or not, by node i matches an eager tensor (unjudged nodes are passed through)."""
+    seen, todo = set(), [i]
+    while todo:
+        j = todo.pop()
+        for out in cone.nodes[j].output:
+            for k in consumers.get(out, []):
+                if k in seen:
+                    continue
+                seen.add(k)
+                if matched.get(k):
+                    return False
+                todo.append(k)
+    return True
+
+
+def find_graph_fault(
+    cone: StageCone, values64: dict, captured: dict[tuple, list[np.ndarray]], stage: str
+) -> NodeFinding | None:
+    """The first node whose float64 value matches no eager tensor while nothing downstream of it matches either."""
+    matches = eager_matches(cone, values64, captured)
+    matched = {i: best <= allowed for i, (best, allowed) in matches.items()}
+    consumers = cone.consumers()
+    for i in cone.order:
+        if i in matched and not matched[i] and all_downstream_unmatched(cone, consumers, matched, i):
+            best, allowed = matches[i]
+            detail = (
+                f"its float64 value matches no tensor of the eager float64 model (closest max abs "
+                f"{best:.3g}, allowed {allowed:.3g}), and nothing downstream of it in {stage!r} matches either"
+            )
+            return cone.finding("graph", i, best, allowed, detail)
+    return None
+
+
+# --------------------------------------------------------------------------- the analysis
+
+
+def localize_stage(artifact, backend: str, stage: str, feed: dict, *, graph_name: str | None = None) -> Localization:
+    """Name the first ONNX node of `stage`'s computation that `backend` (or the graph itself) gets wrong."""
+    cone = stage_cone(stage_graph(artifact, stage, graph_name), stage, feed)
+    backend_values = run_backend_all(backend, with_all_outputs(cone.model, cone.value_names), cone.feed)
+    values64 = float64_values(cone)
+    finding, checked = find_backend_fault(cone, backend_values)
+    if finding is None:
+        finding = find_graph_fault(cone, values64, eager_by_shape(artifact, cone.graph.name, cone.feed), stage)
+    if finding is None:
+        return Localization(
+            backend,
+            stage,
+            cone.graph.name,
+            None,
+            checked,
+            note="every node agrees with float64 on its own inputs and with the eager model's tensors",
+        )
+    return Localization(backend, stage, cone.graph.name, finding, checked)
 
 
 def localize_report(report, artifact) -> list[Localization]:
@@ -447,12 +629,28 @@ def localize_report(report, artifact) -> list[Localization]:
         if failure is None:
             continue
         if backend.name.startswith("eager"):
-            results.append(Localization(backend.name, failure.name, "-", None, 0,
-                                        note="an eager backend runs no ONNX graph; nothing to localise"))
+            results.append(
+                Localization(
+                    backend.name,
+                    failure.name,
+                    "-",
+                    None,
+                    0,
+                    note="an eager backend runs no ONNX graph; nothing to localise",
+                )
+            )
             continue
         if failure.name.startswith("decode."):
-            results.append(Localization(backend.name, failure.name, "-", None, 0,
-                                        note="decode steps are not localised; localise the prefill stages"))
+            results.append(
+                Localization(
+                    backend.name,
+                    failure.name,
+                    "-",
+                    None,
+                    0,
+                    note="decode steps are not localised; localise the prefill stages",
+                )
+            )
             continue
         feeds = report.arrays.get("feeds", {})
         feed = {}

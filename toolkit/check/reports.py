@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+from runners.ort import placement_line
 from toolkit.check.crosscheck import CheckReport
 
 
@@ -63,24 +64,40 @@ def text_table(report: CheckReport) -> str:
     return "\n".join(lines)
 
 
+def placement_lines(report: CheckReport) -> list[str]:
+    """One line per backend that had a placement audit (GPU ONNX Runtime backends)."""
+    return [f"placement {b.name}: {placement_line(b.placement)}" for b in report.backends if b.placement is not None]
+
+
 def golden_lines(report: CheckReport) -> list[str]:
     """One line per comparison with the stored golden outputs, naming the first stage that drifted."""
     if not report.golden:
         return []
     info = report.golden_info
     then, now = info.get("versions_then", {}), info.get("versions_now", {})
-    changed = [f"{k} {then.get(k)} -> {now.get(k)}" for k in ("torch", "onnx", "onnxruntime", "onnxscript", "toolkit")
-               if then.get(k) != now.get(k)]
-    lines = ["", f"golden: {info.get('directory')} (saved {info.get('created')}; "
-                 + (f"versions changed: {', '.join(changed)}" if changed else "same versions") + "; graphs "
-                 + (f"CHANGED: {', '.join(info['graphs_changed'])}" if info.get("graphs_changed") else "unchanged") + ")"]
+    changed = [
+        f"{k} {then.get(k)} -> {now.get(k)}"
+        for k in ("torch", "onnx", "onnxruntime", "onnxscript", "toolkit")
+        if then.get(k) != now.get(k)
+    ]
+    lines = [
+        "",
+        f"golden: {info.get('directory')} (saved {info.get('created')}; "
+        + (f"versions changed: {', '.join(changed)}" if changed else "same versions")
+        + "; graphs "
+        + (f"CHANGED: {', '.join(info['graphs_changed'])}" if info.get("graphs_changed") else "unchanged")
+        + ")",
+    ]
     for result in report.golden:
         failure = result.comparison.first_failure
         if failure is None:
             verdict = "matches golden"
         else:
-            verdict = (f"DRIFTED from golden at stage {failure.name}: {failure.reason}"
-                       if failure.reason else f"DRIFTED from golden at stage {failure.name}")
+            verdict = (
+                f"DRIFTED from golden at stage {failure.name}: {failure.reason}"
+                if failure.reason
+                else f"DRIFTED from golden at stage {failure.name}"
+            )
         lines.append(f"golden {result.name:<16} {verdict}")
     if info.get("new_stages"):
         lines.append(f"golden: stages not in the golden outputs (not compared): {', '.join(info['new_stages'])}")
@@ -98,12 +115,15 @@ def to_junit(report: CheckReport) -> str:
     failures = sum(1 for _, _, o in cases if not o.passed)
     suite = ET.Element("testsuite", name="toolkit check", tests=str(len(cases)), failures=str(failures), errors="0")
     for kind, backend, output in cases:
-        case = ET.SubElement(suite, "testcase", classname=f"{kind}.{backend.name}", name=output.name,
-                             time=f"{backend.seconds:.6f}")
+        case = ET.SubElement(
+            suite, "testcase", classname=f"{kind}.{backend.name}", name=output.name, time=f"{backend.seconds:.6f}"
+        )
         if not output.passed:
             against = "the stored golden outputs" if kind == "golden" else "the float64 oracle"
-            numbers = (f"max_abs={_err(output.max_abs)} allowed={_err(output.allowed)} "
-                       f"mean_abs={_err(output.mean_abs)} max_rel={_err(output.max_rel)}")
+            numbers = (
+                f"max_abs={_err(output.max_abs)} allowed={_err(output.allowed)} "
+                f"mean_abs={_err(output.mean_abs)} max_rel={_err(output.max_rel)}"
+            )
             failure = ET.SubElement(case, "failure", message=f"{output.reason or 'failed'}; {numbers}")
             failure.text = f"backend {backend.name} ({backend.device}) stage {output.name} vs {against}: {numbers}"
             if kind == "check":

@@ -5,8 +5,8 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from runners.registry import create_runner
 from models.artifacts import open_artifact
+from runners.registry import create_runner
 from toolkit.check.crosscheck import default_inputs, graph_feed
 from toolkit.commands.common import load_npz, save_npz_atomically
 
@@ -24,16 +24,18 @@ def command(artifact_dir, backend, inputs_file, save_file, seed):
         inputs, source = load_npz(inputs_file), inputs_file
     else:
         inputs, source = default_inputs(artifact, None, None, seed)
+    unknown = sorted(set(inputs) - {s.name for g in artifact.graphs for s in g.input_specs})
     outputs: dict[str, np.ndarray] = {}
     for graph in artifact.graphs:
         runner = create_runner(backend, artifact, graph.name)
         feed = graph_feed(graph, inputs, outputs)
-        unknown = sorted(set(inputs) - {s.name for g in artifact.graphs for s in g.input_specs})
         if unknown and graph is artifact.graphs[0]:
             feed.update({name: inputs[name] for name in unknown})  # let the feed check name them
         outputs.update(runner.run(feed))
-        click.echo(f"{graph.name}: {runner.name} on {runner.device}, {runner.last_inference_time * 1e3:.2f} ms, "
-                   f"inputs {source}")
+        click.echo(
+            f"{graph.name}: {runner.name} on {runner.device}, {runner.last_inference_time * 1e3:.2f} ms, "
+            f"inputs {source}"
+        )
     for name, value in outputs.items():
         flat = np.asarray(value).ravel()
         preview = ", ".join(f"{x:.4g}" for x in flat[:4]) + (", ..." if flat.size > 4 else "")

@@ -31,16 +31,20 @@ def test_workflow_runs_real_toolkit_commands(tmp_path, monkeypatch):
     assert any("torch==2.13.0" in str(step.get("run", "")) for step in job["steps"])
     assert [shlex.split(line)[1] for line in lines] == ["export", "check"]
     # The documented way to create the golden directory (comment in the workflow) comes first.
-    setup = [line.lstrip("# ").strip() for line in WORKFLOW.read_text().splitlines()
-             if line.lstrip("# ").startswith("toolkit check") and "--save-golden" in line]
+    setup = [
+        line.lstrip("# ").strip()
+        for line in WORKFLOW.read_text().splitlines()
+        if line.lstrip("# ").startswith("toolkit check") and "--save-golden" in line
+    ]
     assert setup, "the workflow must document how to (re)create its golden directory"
     monkeypatch.chdir(tmp_path)
     (tmp_path / "reports").mkdir()
     runner = CliRunner()
     export_line, check_line = lines
     for line in (export_line, setup[0].replace("ci/golden/decoder-small", "$GOLDEN"), check_line):
-        args = [env.get(a.strip('"$'), a) if a.startswith('"$') or a.startswith("$") else a
-                for a in shlex.split(line)[1:]]
+        args = [
+            env.get(a.strip('"$'), a) if a.startswith('"$') or a.startswith("$") else a for a in shlex.split(line)[1:]
+        ]
         result = runner.invoke(main, args)
         assert result.exit_code == 0, (line, result.output)
     for report in ("check.json", "check.xml", "check.html"):
@@ -48,8 +52,9 @@ def test_workflow_runs_real_toolkit_commands(tmp_path, monkeypatch):
     assert "matches golden" in result.output
 
 
-@pytest.mark.parametrize("option", ["--golden", "--save-golden", "--localize", "--html", "--junit", "--json",
-                                    "--tolerances"])
+@pytest.mark.parametrize(
+    "option", ["--golden", "--save-golden", "--localize", "--html", "--junit", "--json", "--tolerances"]
+)
 def test_check_help_lists_the_ci_options(option):
     result = CliRunner().invoke(main, ["check", "--help"])
     assert result.exit_code == 0 and option in result.output

@@ -15,8 +15,8 @@ import toolkit.check.golden as golden
 from artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
 from models.artifacts import open_artifact
 from toolkit.check.crosscheck import cross_check
-from toolkit.cli import main
 from toolkit.check.golden import GoldenError, check_inputs_fit, load_golden, save_golden
+from toolkit.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,7 @@ def test_index_records_hashes_shapes_and_versions(saved):
     assert entry["dtype"] == "float64" and entry["shape"] == list(logits.shape)
     # An independent hash of the stored bytes.
     import hashlib
+
     assert entry["sha256"] == hashlib.sha256(np.ascontiguousarray(logits).tobytes()).hexdigest()
     assert index["stages"] == list(artifact.output_names)
 
@@ -66,7 +67,9 @@ def test_a_change_every_backend_agrees_with_is_caught(saved, tmp_path):
     manifest["graphs"][0]["sha256"] = sha256_file(out / MODEL_FILE)
     (out / MANIFEST_FILE).write_text(json.dumps(manifest))
 
-    result = CliRunner().invoke(main, ["check", str(out), "--golden", str(directory), "--junit", str(tmp_path / "j.xml")])
+    result = CliRunner().invoke(
+        main, ["check", str(out), "--golden", str(directory), "--junit", str(tmp_path / "j.xml")]
+    )
     assert result.exit_code == 1, result.output
     assert "ort-cpu          PASS" in result.output  # today's backends agree with today's oracle
     assert "golden eager-f64        DRIFTED from golden at stage logits" in result.output

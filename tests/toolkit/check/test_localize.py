@@ -14,8 +14,8 @@ import toolkit.check.localize as localize
 from artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
 from models.artifacts import open_artifact
 from toolkit.check.crosscheck import default_inputs
-from toolkit.cli import main
 from toolkit.check.localize import EPS32, localize_stage, node_scale
+from toolkit.cli import main
 
 
 def mutated_copy(artifact, tmp_path, mutate):
@@ -53,8 +53,9 @@ def test_add_turned_into_sub_inside_attention_is_named(block, tmp_path):
         next(n for n in model.graph.node if n.name == target).op_type = "Sub"
 
     artifact = mutated_copy(block, tmp_path, mutate)
-    result = CliRunner().invoke(main, ["check", str(artifact.directory), "--backends", "ort-cpu,onnx-reference",
-                                       "--localize"])
+    result = CliRunner().invoke(
+        main, ["check", str(artifact.directory), "--backends", "ort-cpu,onnx-reference", "--localize"]
+    )
     assert result.exit_code == 1, result.output
     assert "RESULT: FAIL" in result.output
     # Both ONNX backends are pinned to the mutated node, by op type and name.

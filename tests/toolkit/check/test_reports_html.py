@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from toolkit.check.crosscheck import cross_check
-from toolkit.cli import main
 from toolkit.check.reports import to_junit
+from toolkit.cli import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Install with: apt-get install -y chromium   (CI sets TOOLKIT_REQUIRE_BROWSER=1 so a missing browser fails)
@@ -27,12 +27,18 @@ def test_junit_has_one_case_per_backend_and_stage_with_numbers(exported):
     report = cross_check(artifact, ["eager", "ort-cpu"], batch=1, sequence=2)
     # Make one comparison fail with known numbers.
     failed = report.backends[1].comparison["logits"]
-    failed.passed, failed.max_abs, failed.allowed, failed.reason = False, 0.125, 0.0625, "max_abs 0.125 > allowed 0.0625"
+    failed.passed, failed.max_abs, failed.allowed, failed.reason = (
+        False,
+        0.125,
+        0.0625,
+        "max_abs 0.125 > allowed 0.0625",
+    )
     suite = ET.fromstring(to_junit(report)).find("testsuite")
     cases = suite.findall("testcase")
     assert len(cases) == 2 * len(artifact.output_names)
     assert {(c.get("classname"), c.get("name")) for c in cases} == {
-        (f"check.{b}", s) for b in ("eager", "ort-cpu") for s in artifact.output_names}
+        (f"check.{b}", s) for b in ("eager", "ort-cpu") for s in artifact.output_names
+    }
     assert suite.get("failures") == "1"
     (failure,) = [c.find("failure") for c in cases if c.find("failure") is not None]
     assert "max_abs=1.25e-01" in failure.get("message") and "allowed=6.25e-02" in failure.get("message")
@@ -40,10 +46,22 @@ def test_junit_has_one_case_per_backend_and_stage_with_numbers(exported):
 
 def _browser(args, tmp_path):
     return subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", *args],
-        capture_output=True, text=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -67,8 +85,9 @@ def test_html_report_renders_in_a_real_browser(tmp_path):
     for backend in ("eager", "ort-cpu", "onnx-reference"):
         assert f'<th data-backend="{backend}">{backend}</th>' in dom.stdout
         for stage in stages:
-            cell = re.search(rf'<td class="(pass|fail)" data-backend="{backend}" data-stage="{re.escape(stage)}"',
-                             dom.stdout)
+            cell = re.search(
+                rf'<td class="(pass|fail)" data-backend="{backend}" data-stage="{re.escape(stage)}"', dom.stdout
+            )
             assert cell and cell.group(1) == "pass", (backend, stage)
     assert dom.stdout.count('class="attention"') == 1  # one attention stage in the worked example
     assert 'id="error-plot"' in dom.stdout
