@@ -25,22 +25,33 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from artifact.errors import ExportError
 from exporters.functions import reduced_precision_function_protos
 from models.ops import CUSTOM_DOMAIN
-from artifact.errors import ExportError
 
 DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 REDUCED = ("float16", "bfloat16")
 # Ops that run in float32 whatever the export dtype: their accumulations (exp-sum, mean, variance) are
 # where float16 overflows (x^2 > 65504 for |x| > 256) or drops the small terms.
-FLOAT32_ISLANDS = frozenset({
-    "Softmax", "LogSoftmax", "LayerNormalization", "RMSNormalization", "GroupNormalization",
-    "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
-})
+FLOAT32_ISLANDS = frozenset(
+    {
+        "Softmax",
+        "LogSoftmax",
+        "LayerNormalization",
+        "RMSNormalization",
+        "GroupNormalization",
+        "ReduceMean",
+        "ReduceSum",
+        "ReduceSumSquare",
+        "ReduceL2",
+        "ReduceLogSumExp",
+    }
+)
 _SUBGRAPH_OPS = frozenset({"If", "Loop", "Scan"})
 
 
 def check_dtype(dtype: str) -> None:
+    """Refuse a dtype this module does not export."""
     if dtype not in DTYPES:
         raise ExportError(f"unknown export dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
 
@@ -67,7 +78,11 @@ def convert_array(array: np.ndarray, dtype: str, where: str) -> np.ndarray:
         peak = float(np.max(np.abs(array[finite])))
         raise ExportError(
             f"{where}: holds values up to {peak:.4g}, beyond {dtype}'s largest finite value {limit:.6g}; "
-            + ("export with --dtype bfloat16 (float32's range) or float32" if dtype == "float16" else "export with float32")
+            + (
+                "export with --dtype bfloat16 (float32's range) or float32"
+                if dtype == "float16"
+                else "export with float32"
+            )
         )
     return array.astype(target)
 
@@ -81,106 +96,157 @@ def to_dtype(proto: onnx.ModelProto, dtype: str, parameters: set[str]) -> onnx.M
     check_dtype(dtype)
     if dtype == "float32":
         return proto
-    target = DTYPES[dtype]
-    graph = proto.graph
-    typed = onnx.shape_inference.infer_shapes(proto)
-    elem = {v.name: v.type.tensor_type.elem_type
-            for v in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]}
-    initializers = {init.name: init for init in graph.initializer}
-    for name, init in initializers.items():
-        elem[name] = init.data_type
+    rewrite = _Rewrite(proto, dtype)
+    rewrite.mark_sources(parameters)
+    for node in proto.graph.node:
+        rewrite.add(node)
+    rewrite.install_nodes()
+    rewrite.declare_dtype()
+    _use_reduced_precision_functions(proto)
+    return proto
 
-    def is_float(name: str) -> bool:
-        return bool(name) and elem.get(name) == TensorProto.FLOAT
 
-    # kind of each float32 tensor: "T" export dtype, "F" float32, "C" constant initializer (undecided)
-    kind: dict[str, str] = {}
-    for value in graph.input:
-        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
-            kind[value.name] = "T"
-    for name, init in initializers.items():
-        if init.data_type == TensorProto.FLOAT:
-            kind[name] = "T" if name in parameters else "C"
-            if name in parameters:
-                converted = convert_array(numpy_helper.to_array(init), dtype, f"weight initializer {name!r}")
-                init.CopyFrom(numpy_helper.from_array(converted, name))
-    constant_uses: dict[str, list] = {}  # constant initializer -> [(node, input index, "T" or "F")]
-    cast_cache: dict[tuple[str, int], str] = {}
-    nodes = []
+class _Rewrite:
+    """One graph's rewrite to a reduced dtype: what each float32 value becomes, and the rewritten node list."""
 
-    def cast(name: str, to: int) -> str:
-        key = (name, to)
-        if key not in cast_cache:
-            suffix = "float32" if to == TensorProto.FLOAT else dtype
-            out = _fresh(f"{name}__{suffix}", elem)
-            elem[out] = to
-            nodes.append(helper.make_node("Cast", [name], [out], to=to, name=f"{out}__cast"))
-            cast_cache[key] = out
-        return cast_cache[key]
+    def __init__(self, proto: onnx.ModelProto, dtype: str):
+        self.dtype, self.target, self.graph = dtype, DTYPES[dtype], proto.graph
+        self.elem = _element_types(proto)  # value -> TensorProto element type, fresh names included
+        self.initializers = {init.name: init for init in self.graph.initializer}
+        for name, init in self.initializers.items():
+            self.elem[name] = init.data_type
+        # kind of each float32 tensor: "T" export dtype, "F" float32, "C" constant initializer (undecided)
+        self.kind: dict[str, str] = {}
+        self.constant_uses: dict[str, list] = {}  # constant initializer -> [(node, input index, "T" or "F")]
+        self.cast_cache: dict[tuple[str, int], str] = {}
+        self.nodes: list[onnx.NodeProto] = []
 
-    def bring(node, want: str) -> None:
-        """Make every float input of `node` arrive as `want` ("T" or "F")."""
-        for i, name in enumerate(node.input):
-            if not is_float(name):
-                continue
-            have = kind.get(name, "F")
-            if have == "C":
-                constant_uses.setdefault(name, []).append((node, i, want))
-            elif have != want:
-                node.input[i] = cast(name, target if want == "T" else TensorProto.FLOAT)
+    def mark_sources(self, parameters: set[str]) -> None:
+        """Mark float inputs and parameters as the export dtype (converting parameters), other float constants "C"."""
+        for value in self.graph.input:
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                self.kind[value.name] = "T"
+        for name, init in self.initializers.items():
+            if init.data_type == TensorProto.FLOAT:
+                self.kind[name] = "T" if name in parameters else "C"
+                if name in parameters:
+                    converted = convert_array(numpy_helper.to_array(init), self.dtype, f"weight initializer {name!r}")
+                    init.CopyFrom(numpy_helper.from_array(converted, name))
 
-    for original in graph.node:
+    def is_float(self, name: str) -> bool:
+        """Whether `name` is a float32 tensor (an empty name is an omitted optional input)."""
+        return bool(name) and self.elem.get(name) == TensorProto.FLOAT
+
+    def add(self, original: onnx.NodeProto) -> None:
+        """Append a copy of `original` to the node list, with the casts its float inputs and outputs need."""
         node = onnx.NodeProto()
-        node.CopyFrom(original)  # the graph's node list is rebuilt below
+        node.CopyFrom(original)  # the graph's node list is rebuilt from these copies
         if node.op_type in _SUBGRAPH_OPS:
-            raise ExportError(f"--dtype {dtype}: node {node.name!r} ({node.op_type}) has subgraphs, which the "
-                              "precision rewrite does not handle; export with --dtype float32")
-        float_outputs = [o for o in node.output if is_float(o)]
-        if node.domain in ("", "ai.onnx") and node.op_type == "Cast":
-            if float_outputs:
-                kind[node.output[0]] = "F"  # an explicit cast to float32 (positions) stays float32
-            nodes.append(node)
-            continue
-        if node.domain in ("", "ai.onnx") and node.op_type == "CastLike":
-            if float_outputs:
-                kind[node.output[0]] = kind.get(node.input[1], "F") if kind.get(node.input[1]) != "C" else "F"
-            nodes.append(node)
-            continue
-        if node.domain in ("", "ai.onnx") and node.op_type in FLOAT32_ISLANDS:
-            bring(node, "F")
-            renamed = []
-            for i, out in enumerate(node.output):
-                if is_float(out):
-                    inner = _fresh(f"{out}__float32", elem)
-                    elem[inner] = TensorProto.FLOAT
-                    node.output[i] = inner
-                    renamed.append((inner, out))
-            nodes.append(node)
-            for inner, out in renamed:
-                nodes.append(helper.make_node("Cast", [inner], [out], to=target, name=f"{out}__cast"))
-                kind[out] = "T"
-            continue
-        inputs = [kind.get(n, "F") for n in node.input if is_float(n)]
-        compute = "T" if "T" in inputs else "F"
-        bring(node, compute)
-        for out in float_outputs:
-            kind[out] = compute
-        nodes.append(node)
+            raise ExportError(
+                f"--dtype {self.dtype}: node {node.name!r} ({node.op_type}) has subgraphs, which the "
+                "precision rewrite does not handle; export with --dtype float32"
+            )
+        float_outputs = [o for o in node.output if self.is_float(o)]
+        standard = node.domain in ("", "ai.onnx")
+        if standard and node.op_type == "Cast":
+            self._add_cast(node, float_outputs)
+        elif standard and node.op_type == "CastLike":
+            self._add_cast_like(node, float_outputs)
+        elif standard and node.op_type in FLOAT32_ISLANDS:
+            self._add_island(node)
+        else:
+            self._add_following_inputs(node, float_outputs)
 
-    _settle_constants(graph, initializers, constant_uses, dtype)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    _outputs_to_dtype(graph, kind, target, elem)
-    for value in graph.input:
-        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
-            value.type.tensor_type.elem_type = target
-    del graph.value_info[:]  # stale float32 types; the export's shape inference fills them again
+    def _add_cast(self, node: onnx.NodeProto, float_outputs: list[str]) -> None:
+        """Keep an explicit Cast as it is: a cast to float32 (positions) stays float32."""
+        if float_outputs:
+            self.kind[node.output[0]] = "F"
+        self.nodes.append(node)
+
+    def _add_cast_like(self, node: onnx.NodeProto, float_outputs: list[str]) -> None:
+        """Keep a CastLike as it is: its float output has its target's kind (float32 for a constant target)."""
+        if float_outputs:
+            like = self.kind.get(node.input[1])
+            self.kind[node.output[0]] = "F" if like in (None, "C") else like
+        self.nodes.append(node)
+
+    def _add_island(self, node: onnx.NodeProto) -> None:
+        """Run `node` in float32: float inputs cast up, float outputs renamed and cast back to the export dtype."""
+        self._bring(node, "F")
+        renamed = []
+        for i, out in enumerate(node.output):
+            if self.is_float(out):
+                inner = _fresh(f"{out}__float32", self.elem)
+                self.elem[inner] = TensorProto.FLOAT
+                node.output[i] = inner
+                renamed.append((inner, out))
+        self.nodes.append(node)
+        for inner, out in renamed:
+            self.nodes.append(helper.make_node("Cast", [inner], [out], to=self.target, name=f"{out}__cast"))
+            self.kind[out] = "T"
+
+    def _add_following_inputs(self, node: onnx.NodeProto, float_outputs: list[str]) -> None:
+        """Run `node` in the export dtype if any float input is in it, else in float32; its float outputs follow."""
+        inputs = [self.kind.get(n, "F") for n in node.input if self.is_float(n)]
+        compute = "T" if "T" in inputs else "F"
+        self._bring(node, compute)
+        for out in float_outputs:
+            self.kind[out] = compute
+        self.nodes.append(node)
+
+    def _bring(self, node: onnx.NodeProto, want: str) -> None:
+        """Make every float input of `node` arrive as `want` ("T" or "F"); constants are noted, decided later."""
+        for i, name in enumerate(node.input):
+            if not self.is_float(name):
+                continue
+            have = self.kind.get(name, "F")
+            if have == "C":
+                self.constant_uses.setdefault(name, []).append((node, i, want))
+            elif have != want:
+                node.input[i] = self._cast(name, self.target if want == "T" else TensorProto.FLOAT)
+
+    def _cast(self, name: str, to: int) -> str:
+        """The name of `name` cast to element type `to`, appending the Cast the first time it is asked for."""
+        key = (name, to)
+        if key not in self.cast_cache:
+            suffix = "float32" if to == TensorProto.FLOAT else self.dtype
+            out = _fresh(f"{name}__{suffix}", self.elem)
+            self.elem[out] = to
+            self.nodes.append(helper.make_node("Cast", [name], [out], to=to, name=f"{out}__cast"))
+            self.cast_cache[key] = out
+        return self.cast_cache[key]
+
+    def install_nodes(self) -> None:
+        """Convert the constants their uses need, then replace the graph's nodes with the rewritten list."""
+        # Settling rewires inputs of the listed nodes, so it runs before the graph copies them in.
+        _settle_constants(self.graph, self.initializers, self.constant_uses, self.dtype)
+        del self.graph.node[:]
+        self.graph.node.extend(self.nodes)
+
+    def declare_dtype(self) -> None:
+        """Declare the float graph outputs and inputs in the export dtype, and drop the stale float32 value types."""
+        _outputs_to_dtype(self.graph, self.kind, self.target, self.elem)
+        for value in self.graph.input:
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                value.type.tensor_type.elem_type = self.target
+        del self.graph.value_info[:]  # stale float32 types; the export's shape inference fills them again
+
+
+def _element_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """{value: TensorProto element type} for every value shape inference types in `proto`."""
+    typed = onnx.shape_inference.infer_shapes(proto)
+    return {
+        v.name: v.type.tensor_type.elem_type for v in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]
+    }
+
+
+def _use_reduced_precision_functions(proto: onnx.ModelProto) -> None:
+    """Swap the custom functions' bodies for the ones that accumulate in float32 whatever the dtype."""
     custom = {f.name for f in proto.functions if f.domain == CUSTOM_DOMAIN}
     replacements = {f.name: f for f in reduced_precision_function_protos(custom)}
     for i, function in enumerate(proto.functions):
         if function.domain == CUSTOM_DOMAIN and function.name in replacements:
             proto.functions[i].CopyFrom(replacements[function.name])
-    return proto
 
 
 def _settle_constants(graph, initializers, uses, dtype) -> None:
@@ -201,6 +267,7 @@ def _settle_constants(graph, initializers, uses, dtype) -> None:
 
 
 def _outputs_to_dtype(graph, kind, target, elem) -> None:
+    """Declare float graph outputs as `target`, casting a float32-computed one under its own name."""
     for value in graph.output:
         if value.type.tensor_type.elem_type != TensorProto.FLOAT:
             continue
@@ -216,6 +283,7 @@ def _outputs_to_dtype(graph, kind, target, elem) -> None:
 
 
 def _fresh(base: str, taken: dict) -> str:
+    """`base`, or `base_N` with the smallest N that makes it a name not in `taken`."""
     name, n = base, 0
     while name in taken:
         n += 1

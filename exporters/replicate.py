@@ -41,6 +41,7 @@ REPLICABLE_FAMILIES = ("llama", "gpt")
 
 
 def replicable(family: str, config) -> bool:
+    """Whether a `family` model of `config` is exported by tracing one block and replicating it."""
     return family in REPLICABLE_FAMILIES and getattr(config, "layers", 1) > 1
 
 
@@ -82,13 +83,17 @@ def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, 
         key = array_digest(array)
         if key in by_digest:
             sources[name] = by_digest[key]
-        elif key not in buffers and array.dtype.kind == "f" and (
-                array.size >= small.config.width or tuple(array.shape) in shapes):
+        elif (
+            key not in buffers
+            and array.dtype.kind == "f"
+            and (array.size >= small.config.width or tuple(array.shape) in shapes)
+        ):
             return None  # a weight-sized constant we cannot trace back: maybe a folded weight
     return sources
 
 
 def _scopes(node: onnx.NodeProto) -> list[str]:
+    """The module scopes torch.onnx recorded on `node`; [] when it recorded none readable."""
     for prop in node.metadata_props:
         if prop.key == SCOPES_KEY:
             try:
@@ -102,12 +107,13 @@ def _layer_name(name: str, i: int) -> str | None:
     """block.0.x -> block.{i}.x, past.0.key -> past.{i}.key, present.0.value -> present.{i}.value."""
     for prefix in ("block.0.", "past.0.", "present.0."):
         if name.startswith(prefix):
-            return f"{prefix.split('.')[0]}.{i}.{name[len(prefix):]}"
+            return f"{prefix.split('.')[0]}.{i}.{name[len(prefix) :]}"
     return None
 
 
-def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config,
-              input_names: list[str], output_names: list[str]) -> onnx.ModelProto | None:
+def replicate(
+    model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config, input_names: list[str], output_names: list[str]
+) -> onnx.ModelProto | None:
     """The full model's graph built from `proto`, the traced graph of the one-block `small`.
 
     input_names / output_names: the full model's graph inputs and outputs in order.
@@ -117,8 +123,9 @@ def replicate(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config
     return None if replicated is None else replicated[0]
 
 
-def replicate_with_weights(model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config,
-                           input_names: list[str], output_names: list[str]) -> tuple[onnx.ModelProto, dict] | None:
+def replicate_with_weights(
+    model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config, input_names: list[str], output_names: list[str]
+) -> tuple[onnx.ModelProto, dict] | None:
     """replicate(), plus where each parameter of `model` was written: {name: {"initializer", "transpose"}}.
 
     The map is what onnx_export's byte search would find, known here without hashing the weights
@@ -128,117 +135,212 @@ def replicate_with_weights(model: nn.Module, small: nn.Module, proto: onnx.Model
     sources = _initializer_sources(small, proto)
     if sources is None:
         return None
-    graph = proto.graph
-    scope = f"model.{BLOCK_LIST}.0"
-    in_block = [scope in _scopes(n) for n in graph.node]
-    if not any(in_block) or any(n.attribute and any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute)
-                                for n in graph.node):
+    block = _find_block(proto, config.width)
+    if block is None:
         return None
-    block_nodes = [n for n, b in zip(graph.node, in_block) if b]
-    produced = {o for n in block_nodes for o in n.output}
-    outside_consumed = {i for n, b in zip(graph.node, in_block) if not b for i in n.input}
+    block_weights = {init: src for init, src in sources.items() if src[0].startswith(f"{BLOCK_LIST}.0.")}
+    # Initializers in order: the traced ones (weights refilled from `model`), then each block's copies.
+    plan = _traced_plan(proto.graph, sources)
+    copies, last_output = [], block.output
+    for i in range(1, config.layers):
+        renamed = _renaming(block, block_weights, i, last_output)
+        plan.extend(_block_plan(block_weights, renamed, i))
+        copies.extend(_clone_nodes(block.nodes, renamed, i))
+        last_output = renamed[block.output]
+    nodes = topological(_rewired_nodes(proto.graph, block, last_output) + copies)
+    if nodes is None:
+        return None
+    result = _assembled(proto, nodes, input_names, output_names, config.layers)
+    if result is None:
+        return None
+    placed = _fill_initializers(result.graph, plan, dict(model.named_parameters(remove_duplicate=False)))
+    return result, _weight_entries(model, placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Block 0 of a traced one-block graph: its nodes and the values that cross its boundary."""
+
+    in_block: list[bool]  # per node of the graph, whether it is one of block 0's
+    nodes: list[onnx.NodeProto]
+    produced: set[str]  # every value its nodes produce
+    output: str  # the one value that leaves it: the hidden state after the block
+    hidden_input: str  # the hidden state entering it
+    exposed: set[str]  # values it produces that are graph outputs (present.0.*, block.0.*)
+    per_block_inputs: set[str]  # graph inputs named per block (past.0.*); the rest (position_ids, masks) are shared
+
+
+def _find_block(proto: onnx.ModelProto, width: int) -> _Block | None:
+    """Block 0 of `proto` and its boundary, or None when the graph is not one this rewrite can replicate."""
+    graph = proto.graph
+    in_block = _in_block_zero(graph.node)
+    if in_block is None:
+        return None
+    nodes = [n for n, b in zip(graph.node, in_block, strict=True) if b]
+    produced = {o for n in nodes for o in n.output}
+    output = _leaving_value(graph.node, in_block, produced)
+    if output is None:
+        return None
+    graph_inputs = {v.name for v in graph.input}
+    initializers = {t.name for t in graph.initializer}
+    external = {i for n in nodes for i in n.input if i and i not in produced}
+    hidden_input = _hidden_input(proto, external - graph_inputs - initializers, width)
+    if hidden_input is None:
+        return None
+    exposed = produced & {v.name for v in graph.output}
+    if any(_layer_name(name, 1) is None for name in exposed):
+        return None  # a block output we do not know how to rename
+    per_block_inputs = {name for name in external & graph_inputs if _layer_name(name, 1) is not None}
+    return _Block(in_block, nodes, produced, output, hidden_input, exposed, per_block_inputs)
+
+
+def _in_block_zero(nodes) -> list[bool] | None:
+    """Per node, whether its scopes put it in block 0; None when none does or a node holds a subgraph."""
+    scope = f"model.{BLOCK_LIST}.0"
+    in_block = [scope in _scopes(n) for n in nodes]
+    if not any(in_block) or any(
+        n.attribute and any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute) for n in nodes
+    ):
+        return None
+    return in_block
+
+
+def _leaving_value(nodes, in_block: list[bool], produced: set[str]) -> str | None:
+    """The one value of block 0 that a node outside it reads, or None when there is not exactly one."""
+    outside_consumed = {i for n, b in zip(nodes, in_block, strict=True) if not b for i in n.input}
     leaving = produced & outside_consumed
     if len(leaving) != 1:
         return None
-    (block_output,) = leaving
+    (output,) = leaving
+    return output
 
+
+def _hidden_input(proto: onnx.ModelProto, candidates: set[str], width: int) -> str | None:
+    """The one candidate typed as a float32 hidden state (rank 3, last axis `width`), or None."""
     inferred = onnx.shape_inference.infer_shapes(weightless(proto))  # types only: no weight bytes needed
+    graph = proto.graph
     types = {v.name: v.type for v in (*inferred.graph.value_info, *graph.input, *graph.output)}
-    graph_inputs = {v.name for v in graph.input}
-    initializers = {t.name for t in graph.initializer}
-    external = {i for n in block_nodes for i in n.input if i and i not in produced}
     hidden = []
-    for name in external - graph_inputs - initializers:
+    for name in candidates:
         tensor = types.get(name)
         if tensor is None:
             continue
         dims = tensor.tensor_type.shape.dim
-        if tensor.tensor_type.elem_type == onnx.TensorProto.FLOAT and len(dims) == 3 \
-                and dims[2].dim_value == config.width:
+        if tensor.tensor_type.elem_type == onnx.TensorProto.FLOAT and len(dims) == 3 and dims[2].dim_value == width:
             hidden.append(name)
     if len(hidden) != 1:
         return None
     (hidden_input,) = hidden
-    graph_outputs = {v.name for v in graph.output}
-    if any(_layer_name(name, 1) is None for name in produced & graph_outputs):
-        return None  # a block output we do not know how to rename
-    # Graph inputs named per block (past.0.*) get block i's; the rest (position_ids, masks) are shared.
-    per_block_inputs = {name for name in external & graph_inputs if _layer_name(name, 1) is not None}
+    return hidden_input
 
-    real = dict(model.named_parameters(remove_duplicate=False))
-    weights_of_block0 = {init: src for init, src in sources.items() if src[0].startswith(f"{BLOCK_LIST}.0.")}
 
-    # Initializers in order: the traced ones (weights refilled from `model`), then each block's copies.
-    # A plan entry is a TensorProto kept as traced, or (name, parameter, transposed) filled in at the end.
-    plan = [(t.name, *sources[t.name]) if t.name in sources else t for t in graph.initializer]
-    copies, last_output = [], block_output
-    for i in range(1, config.layers):
-        renamed = {hidden_input: last_output}
-        for init, (param, transposed) in weights_of_block0.items():
-            target = _layer_name(init.removeprefix("model."), i)
-            new_name = f"model.{target}" if target and init.startswith("model.") else f"{init}__{BLOCK_LIST}{i}"
-            renamed[init] = new_name
-            plan.append((new_name, param.replace(f"{BLOCK_LIST}.0.", f"{BLOCK_LIST}.{i}.", 1), transposed))
-        for name in per_block_inputs:
-            renamed[name] = _layer_name(name, i)
-        for name in produced:
-            renamed[name] = _layer_name(name, i) if name in graph_outputs else f"{name}__{BLOCK_LIST}{i}"
-        for node in block_nodes:
-            clone = copy.deepcopy(node)
-            clone.name = f"{node.name}__{BLOCK_LIST}{i}"
-            clone.input[:] = [renamed.get(x, x) for x in node.input]
-            clone.output[:] = [renamed[x] for x in node.output]
-            copies.append(clone)
-        last_output = renamed[block_output]
+def _traced_plan(graph: onnx.GraphProto, sources: dict[str, tuple[str, bool]]) -> list:
+    """The traced initializers as plan entries: (name, parameter, transposed) for a weight, else the TensorProto."""
+    # A weight entry is filled in from the full model at the end; a TensorProto is kept as traced.
+    return [(t.name, *sources[t.name]) if t.name in sources else t for t in graph.initializer]
 
-    rest = []
-    for node, b in zip(graph.node, in_block):
+
+def _renaming(block: _Block, block_weights: dict[str, tuple[str, bool]], i: int, hidden: str) -> dict[str, str]:
+    """{block 0's name: block i's name} for what block i's copy reads and produces; it reads `hidden` as input."""
+    renamed = {block.hidden_input: hidden}
+    for init in block_weights:
+        renamed[init] = _initializer_name(init, i)
+    for name in block.per_block_inputs:
+        renamed[name] = _layer_name(name, i)
+    for name in block.produced:
+        renamed[name] = _layer_name(name, i) if name in block.exposed else f"{name}__{BLOCK_LIST}{i}"
+    return renamed
+
+
+def _initializer_name(init: str, i: int) -> str:
+    """Block i's name for block 0's initializer: model.block.{i}.x for model.block.0.x, else init__block{i}."""
+    target = _layer_name(init.removeprefix("model."), i)
+    return f"model.{target}" if target and init.startswith("model.") else f"{init}__{BLOCK_LIST}{i}"
+
+
+def _block_plan(
+    block_weights: dict[str, tuple[str, bool]], renamed: dict[str, str], i: int
+) -> list[tuple[str, str, bool]]:
+    """Block i's initializer plan entries: block 0's weights renamed, each holding block i's parameter."""
+    return [
+        (renamed[init], param.replace(f"{BLOCK_LIST}.0.", f"{BLOCK_LIST}.{i}.", 1), transposed)
+        for init, (param, transposed) in block_weights.items()
+    ]
+
+
+def _clone_nodes(nodes: list[onnx.NodeProto], renamed: dict[str, str], i: int) -> list[onnx.NodeProto]:
+    """Copies of block 0's nodes as block i's: names suffixed, inputs and outputs renamed."""
+    clones = []
+    for node in nodes:
+        clone = copy.deepcopy(node)
+        clone.name = f"{node.name}__{BLOCK_LIST}{i}"
+        clone.input[:] = [renamed.get(x, x) for x in node.input]
+        clone.output[:] = [renamed[x] for x in node.output]
+        clones.append(clone)
+    return clones
+
+
+def _rewired_nodes(graph: onnx.GraphProto, block: _Block, last_output: str) -> list[onnx.NodeProto]:
+    """The traced nodes, with those outside block 0 reading the last block's output in place of block 0's."""
+    nodes = []
+    for node, b in zip(graph.node, block.in_block, strict=True):
         if not b:
             node = copy.deepcopy(node)
-            node.input[:] = [last_output if x == block_output else x for x in node.input]
-        rest.append(node)
-    nodes = topological(rest + copies)
-    if nodes is None:
-        return None
+            node.input[:] = [last_output if x == block.output else x for x in node.input]
+        nodes.append(node)
+    return nodes
 
-    values = {v.name: v for v in (*graph.input, *graph.output)}
 
-    def value_info(name: str) -> onnx.ValueInfoProto | None:
-        if name in values:
-            return values[name]
-        for source in values:
-            for i in range(1, config.layers):
-                if _layer_name(source, i) == name:
-                    info = copy.deepcopy(values[source])
-                    info.name = name
-                    return info
-        return None
-
+def _assembled(
+    proto: onnx.ModelProto, nodes: list[onnx.NodeProto], input_names: list[str], output_names: list[str], layers: int
+) -> onnx.ModelProto | None:
+    """A copy of `proto` with `nodes` and the named inputs and outputs, no initializers; None if one is undeclared."""
+    values = {v.name: v for v in (*proto.graph.input, *proto.graph.output)}
     result = copy.deepcopy(proto)
     del result.graph.node[:], result.graph.initializer[:], result.graph.value_info[:]
     del result.graph.input[:], result.graph.output[:]
     result.graph.node.extend(nodes)
     for names, field in ((input_names, result.graph.input), (output_names, result.graph.output)):
         for name in names:
-            info = value_info(name)
+            info = _declaration(values, name, layers)
             if info is None:
                 return None
             field.append(info)
+    return result
+
+
+def _declaration(values: dict[str, onnx.ValueInfoProto], name: str, layers: int) -> onnx.ValueInfoProto | None:
+    """The traced declaration of `name`, or of the block 0 value it is block i's copy of, renamed; else None."""
+    if name in values:
+        return values[name]
+    for source in values:
+        for i in range(1, layers):
+            if _layer_name(source, i) == name:
+                info = copy.deepcopy(values[source])
+                info.name = name
+                return info
+    return None
+
+
+def _fill_initializers(
+    graph: onnx.GraphProto, plan: list, params: dict[str, nn.Parameter]
+) -> list[tuple[str, str, bool]]:
+    """Append the plan's initializers to `graph`, weights from `params` as float32; return the weight entries."""
     placed = []
     for entry in plan:
         if isinstance(entry, onnx.TensorProto):
-            result.graph.initializer.add().CopyFrom(entry)
+            graph.initializer.add().CopyFrom(entry)
             continue
         # Filled in place: the model's weights are hundreds of MB, so they are copied once, not per step.
         name, param, transposed = entry
-        array = real[param].detach().to(torch.float32).numpy()
+        array = params[param].detach().to(torch.float32).numpy()
         array = np.ascontiguousarray(array.T if transposed else array)
-        tensor = result.graph.initializer.add()
+        tensor = graph.initializer.add()
         tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
         tensor.dims.extend(array.shape)
         tensor.raw_data = array.astype("<f4", copy=False).tobytes()
         placed.append((name, param, transposed))
-    return result, _weight_entries(model, placed)
+    return placed
 
 
 def _weight_entries(model: nn.Module, placed: list[tuple[str, str, bool]]) -> dict[str, dict]:

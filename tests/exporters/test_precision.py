@@ -7,6 +7,7 @@ Runtime CPU and onnx.reference, bfloat16 on onnx.reference (ONNX Runtime CPU has
 from __future__ import annotations
 
 import re
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -17,16 +18,16 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from artifact.errors import BackendUnavailableError, ExportError
 from exporters.functions import OPSET, function_protos, reduced_precision_function_protos
 from exporters.onnx_export import export_model
 from exporters.precision import check_supported, convert_array, to_dtype
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
+from models.presets import get_preset
 from runners.eager import model_from_artifact
 from runners.registry import check_backend, create_runner
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
-from models.presets import get_preset
-from artifact.errors import BackendUnavailableError, ExportError
 
 ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 NP = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -36,18 +37,23 @@ ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 def _model(nodes, inputs, outputs, initializers=(), functions=()):
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid(CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION)],
-                              functions=list(functions))
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION)],
+        functions=list(functions),
+    )
     model.ir_version = 10
     return model
 
 
 def rmsnorm_model(dtype: str, functions) -> onnx.ModelProto:
     node = helper.make_node("RMSNorm", ["x", "w"], ["y"], domain=CUSTOM_DOMAIN, epsilon=1e-6)
-    return _model([node], [helper.make_tensor_value_info("x", ELEM[dtype], [2, 8]),
-                           helper.make_tensor_value_info("w", ELEM[dtype], [8])],
-                  [helper.make_tensor_value_info("y", ELEM[dtype], [2, 8])], functions=functions)
+    return _model(
+        [node],
+        [helper.make_tensor_value_info("x", ELEM[dtype], [2, 8]), helper.make_tensor_value_info("w", ELEM[dtype], [8])],
+        [helper.make_tensor_value_info("y", ELEM[dtype], [2, 8])],
+        functions=functions,
+    )
 
 
 def rms_norm64(x, w, eps=1e-6):
@@ -65,7 +71,9 @@ def test_float16_rmsnorm_body_does_not_overflow_where_squares_exceed_float16(bac
     model = rmsnorm_model("float16", reduced_precision_function_protos({"RMSNorm"}))
     onnx.checker.check_model(model, full_check=True)
     if backend == "onnxruntime":
-        y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "w": w})[0]
+        y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x, "w": w}
+        )[0]
     else:
         y = ReferenceEvaluator(model).run(None, {"x": x, "w": w})[0]
     assert y.dtype == np.float16 and np.isfinite(y).all()
@@ -83,7 +91,8 @@ def test_plain_rmsnorm_body_in_float16_overflows_on_the_same_inputs():
 def test_bfloat16_rmsnorm_body_matches_float64():
     x, w = LARGE.astype(ml_dtypes.bfloat16), np.linspace(0.5, 2, 8).astype(ml_dtypes.bfloat16)
     y = ReferenceEvaluator(rmsnorm_model("bfloat16", reduced_precision_function_protos({"RMSNorm"}))).run(
-        None, {"x": x, "w": w})[0]
+        None, {"x": x, "w": w}
+    )[0]
     assert y.dtype == ml_dtypes.bfloat16
     want = rms_norm64(x.astype(np.float64), w.astype(np.float64))
     np.testing.assert_allclose(y.astype(np.float64), want, rtol=0, atol=4 * ROUNDOFF["bfloat16"] * np.abs(want).max())
@@ -106,13 +115,20 @@ def rope_softmax_graph(n: int = 4096) -> tuple[onnx.ModelProto, dict]:
     ]
     model = _model(
         nodes,
-        [helper.make_tensor_value_info("positions", TensorProto.INT64, [n]),
-         helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n]),
-         helper.make_tensor_value_info("mask", TensorProto.BOOL, [1, n])],
-        [helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, n]),
-         helper.make_tensor_value_info("angles", TensorProto.FLOAT, [n])],
-        [numpy_helper.from_array(inv_freq, "inv_freq"), numpy_helper.from_array(weight, "weight"),
-         numpy_helper.from_array(neg_inf, "neg_inf")],
+        [
+            helper.make_tensor_value_info("positions", TensorProto.INT64, [n]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n]),
+            helper.make_tensor_value_info("mask", TensorProto.BOOL, [1, n]),
+        ],
+        [
+            helper.make_tensor_value_info("probs", TensorProto.FLOAT, [1, n]),
+            helper.make_tensor_value_info("angles", TensorProto.FLOAT, [n]),
+        ],
+        [
+            numpy_helper.from_array(inv_freq, "inv_freq"),
+            numpy_helper.from_array(weight, "weight"),
+            numpy_helper.from_array(neg_inf, "neg_inf"),
+        ],
     )
     # Positions 0 make cos exactly 1, so the logits are x itself: integers up to 2000, exact in float16,
     # far past where a float16 exp overflows (e^11.1 = 65504); 4096 terms in the softmax sum.
@@ -128,8 +144,9 @@ def test_rewrite_keeps_position_math_and_softmax_in_float32_and_converts_the_res
     to_dtype(model, "float16", parameters={"weight"})
     onnx.checker.check_model(model, full_check=True)
     typed = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
-    elem = {v.name: v.type.tensor_type.elem_type for v in [*typed.graph.value_info, *typed.graph.output,
-                                                            *typed.graph.input]}
+    elem = {
+        v.name: v.type.tensor_type.elem_type for v in [*typed.graph.value_info, *typed.graph.output, *typed.graph.input]
+    }
     inits = {i.name: i.data_type for i in model.graph.initializer}
     assert inits["weight"] == TensorProto.FLOAT16  # a parameter
     assert inits["inv_freq"] == TensorProto.FLOAT  # only position math uses it
@@ -148,7 +165,9 @@ def test_float16_softmax_with_large_logits_matches_float64(backend):
     to_dtype(model, "float16", parameters={"weight"})
     feed = dict(feed, x=feed["x"].astype(np.float16))
     if backend == "onnxruntime":
-        probs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["probs"], feed)[0]
+        probs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            ["probs"], feed
+        )[0]
     else:
         probs = ReferenceEvaluator(model).run(["probs"], feed)[0]
     scores = feed["x"].astype(np.float64)
@@ -160,13 +179,21 @@ def test_float16_softmax_with_large_logits_matches_float64(backend):
 
 def test_constant_used_by_float32_and_float16_nodes_is_copied_not_converted():
     shared = numpy_helper.from_array(np.array([2.5], np.float32), "two_and_a_half")
-    nodes = [helper.make_node("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
-             helper.make_node("Mul", ["f", "two_and_a_half"], ["f2"]),  # float32 (positions)
-             helper.make_node("Mul", ["x", "two_and_a_half"], ["x2"]),  # float16 (activation)
-             helper.make_node("Add", ["x2", "f2"], ["y"])]
-    model = _model(nodes, [helper.make_tensor_value_info("i", TensorProto.INT64, [3]),
-                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], [shared])
+    nodes = [
+        helper.make_node("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["f", "two_and_a_half"], ["f2"]),  # float32 (positions)
+        helper.make_node("Mul", ["x", "two_and_a_half"], ["x2"]),  # float16 (activation)
+        helper.make_node("Add", ["x2", "f2"], ["y"]),
+    ]
+    model = _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, [3]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+        [shared],
+    )
     to_dtype(model, "float16", parameters=set())
     onnx.checker.check_model(model, full_check=True)
     inits = {i.name: i.data_type for i in model.graph.initializer}
@@ -190,12 +217,21 @@ def test_unsupported_dtype_and_lowering_combinations_are_refused():
 
 
 def test_subgraphs_are_refused():
-    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "b", [],
-                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1])])
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["z"])],
+        "b",
+        [],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1])],
+    )
     node = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)
-    model = _model([node], [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-                            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = _model(
+        [node],
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     with pytest.raises(ExportError, match=r"'If'|\(If\).*subgraphs.*--dtype float32"):
         to_dtype(model, "float16", parameters=set())
 
@@ -212,8 +248,16 @@ def exported_dtype(tmp_path_factory):
         if key not in cache:
             spec = get_preset(preset)
             out = tmp_path_factory.mktemp(f"{preset}-{dtype}") / "artifact"
-            cache[key] = export_model(spec.build(), spec.family, spec.config, out, variant=variant,
-                                      preset=spec.name, seed=spec.seed, dtype=dtype)
+            cache[key] = export_model(
+                spec.build(),
+                spec.family,
+                spec.config,
+                out,
+                variant=variant,
+                preset=spec.name,
+                seed=spec.seed,
+                dtype=dtype,
+            )
         return cache[key]
 
     return get
@@ -285,8 +329,9 @@ def test_bfloat16_preset_passes_on_reference_and_eager_and_ort_cpu_is_refused(ex
 
 def test_cli_export_dtype_and_check_refusing_ort_cpu_for_bfloat16(tmp_path, exported_dtype):
     runner = CliRunner()
-    result = runner.invoke(main, ["export", "--preset", "worked-example", "--dtype", "float16", "--out",
-                                  str(tmp_path / "w16")])
+    result = runner.invoke(
+        main, ["export", "--preset", "worked-example", "--dtype", "float16", "--out", str(tmp_path / "w16")]
+    )
     assert result.exit_code == 0, result.output
     assert "float16" in result.output
     result = runner.invoke(main, ["check", str(tmp_path / "w16")])
@@ -294,7 +339,9 @@ def test_cli_export_dtype_and_check_refusing_ort_cpu_for_bfloat16(tmp_path, expo
     bf16 = exported_dtype("block-small", "bfloat16").directory
     result = runner.invoke(main, ["check", str(bf16), "--backends", "ort-cpu"])
     assert result.exit_code == 2
-    assert re.search(r"'ort-cpu' cannot run .*not bfloat16; for bfloat16 use eager, eager-cuda, ort-cuda", result.output)
+    assert re.search(
+        r"'ort-cpu' cannot run .*not bfloat16; for bfloat16 use eager, eager-cuda, ort-cuda", result.output
+    )
     result = runner.invoke(main, ["check", str(bf16)])  # the default backends leave ort-cpu out, saying so
     assert result.exit_code == 0, result.output
     assert "not checking ort-cpu" in result.output

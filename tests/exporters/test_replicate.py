@@ -1,5 +1,7 @@
 """One traced block replicated N times must be the same model as the whole model traced."""
 
+from __future__ import annotations
+
 import numpy as np
 import onnx
 import pytest
@@ -42,9 +44,12 @@ def test_replicated_graph_computes_what_the_full_trace_computes(case, tmp_path, 
     if variant == "serving":  # a non-empty cache, so every block's past input is exercised
         rng = np.random.default_rng(2)
         prefill = create_runner("ort-cpu", traced).run(feed)
-        feed = {"input_ids": rng.integers(0, config.vocab_size, (2, 1)), "position_ids": np.full((2, 1), 4),
-                "past_mask": np.ones((2, 4), np.int64),
-                **{name.replace("present", "past"): value for name, value in prefill.items() if "present" in name}}
+        feed = {
+            "input_ids": rng.integers(0, config.vocab_size, (2, 1)),
+            "position_ids": np.full((2, 1), 4),
+            "past_mask": np.ones((2, 4), np.int64),
+            **{name.replace("present", "past"): value for name, value in prefill.items() if "present" in name},
+        }
     want = create_runner("ort-cpu", traced).run(feed)
     got = create_runner("ort-cpu", replicated).run(feed)
     for name, value in want.items():
