@@ -38,8 +38,22 @@ def command(artifact_dir, backend, inputs_file, save_file, seed):
         )
     for name, value in outputs.items():
         flat = np.asarray(value).ravel()
-        preview = ", ".join(f"{x:.4g}" for x in flat[:4]) + (", ..." if flat.size > 4 else "")
+        preview = ", ".join(_number(x) for x in flat[:4]) + (", ..." if flat.size > 4 else "")
         click.echo(f"  {name:<40} {str(value.dtype):<8} {'x'.join(map(str, value.shape)):<12} [{preview}]")
     if save_file:
-        save_npz_atomically(save_file, outputs)
-        click.echo(f"saved {len(outputs)} outputs to {save_file}")
+        # .npz has no bfloat16: numpy would store ml_dtypes' bfloat16 as raw 2-byte voids, unreadable as
+        # numbers; widening to float32 is exact.
+        widened = [name for name, value in outputs.items() if value.dtype.name == "bfloat16"]
+        save_npz_atomically(
+            save_file, {name: value.astype(np.float32) if name in widened else value for name, value in outputs.items()}
+        )
+        note = " (bfloat16 stored as float32, exactly: .npz has no bfloat16)" if widened else ""
+        click.echo(f"saved {len(outputs)} outputs to {save_file}{note}")
+
+
+def _number(x) -> str:
+    """One preview value. Integers as they are; every float (float16 and ml_dtypes' bfloat16 included, whose
+    scalars have no numeric format codes of their own) through a Python float."""
+    if isinstance(x, (np.integer, np.bool_)):
+        return str(x)
+    return f"{float(x):.4g}"

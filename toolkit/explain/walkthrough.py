@@ -70,6 +70,33 @@ def gradient_check(model: torch.nn.Module, x: torch.Tensor) -> dict:
     }
 
 
+def pre_vs_post(model: torch.nn.Module, x: torch.Tensor, after: torch.Tensor, token: int = 1) -> dict:
+    """The chapter's contrast at the first residual merge: Pre-LN `x + MHA(RMSNorm(x))` (the worked example's
+    own after_attention) against Post-LN, the original Transformer's `LayerNorm(x + MHA(x))`: the same
+    attention on the raw input, then a mean-subtracted LayerNorm. The worked example has RMSNorm gains (all
+    ones) and no norm bias, so the LayerNorm takes its attention_norm gain and bias 0, eps as configured."""
+    block = model.block[0]
+    branch = block.attention(x)[0]  # MHA(x): the same weights, no norm in front
+    gain = block.attention_norm.weight.detach()
+    post = torch.nn.functional.layer_norm(
+        x + branch, (x.shape[-1],), gain, torch.zeros_like(gain), block.attention_norm.eps
+    )
+    return {
+        "stage": "after_attention",
+        "token": token,
+        "pre_norm_formula": "x + MHA(RMSNorm(x))",
+        "post_norm_formula": "LayerNorm(x + MHA(x)), LayerNorm(v) = (v - mean(v)) / sqrt(var(v) + eps) * g + b",
+        "post_norm_parameters": {
+            "gain": gain.tolist(),
+            "bias": [0.0] * len(gain),
+            "eps": block.attention_norm.eps,
+            "note": "the worked example has no LayerNorm: gain from its attention_norm (all ones), bias 0",
+        },
+        "pre_norm": after[0, token].tolist(),
+        "post_norm": post[0, token].tolist(),
+    }
+
+
 @torch.no_grad()
 def worked_example_walkthrough() -> dict:
     model = build_worked_example().double()
@@ -105,13 +132,7 @@ def worked_example_walkthrough() -> dict:
             ),
         },
     }
-    post = build_worked_example("post").double()(x)
-    contrast = {
-        "stage": "after_attention",
-        "token": 1,
-        "pre_norm": after[0, 1].tolist(),
-        "post_norm": post["block.0.after_attention"][0, 1].tolist(),
-    }
+    contrast = pre_vs_post(model, x, after)
 
     changed = x.clone()
     changed[0, -1] = torch.linspace(-1.0, 1.0, d, dtype=torch.float64)  # only the last token differs
@@ -171,9 +192,11 @@ def render_text(trace: dict) -> str:
     out.append("probe logits = output @ P:")
     out += [f"  t{t}: {_fmt_row(r)}" for t, r in enumerate(trace["probe"]["logits"])]
     c = trace["pre_vs_post"]
+    ln = c["post_norm_parameters"]
     out.append(f"pre-norm vs post-norm, {c['stage']} row of token {c['token']}:")
-    out.append(f"  pre : {_fmt_row(c['pre_norm'])}")
-    out.append(f"  post: {_fmt_row(c['post_norm'])}")
+    out.append(f"  pre : {_fmt_row(c['pre_norm'])}  Pre-LN  {c['pre_norm_formula']}")
+    out.append(f"  post: {_fmt_row(c['post_norm'])}  Post-LN {c['post_norm_formula'].split(', ')[0]}")
+    out.append(f"  (LayerNorm mean-subtracted, eps {ln['eps']:g}; {ln['note']})")
     causal = trace["causality"]
     unchanged = sum(causal["prefix_rows_bitwise_equal"].values())
     out.append(

@@ -221,8 +221,9 @@ def evaluate_quality(
         count_diff += diff.size
         if steps:
             window = slice(len(prompt) - 1, len(fed))
-            agree += int(np.sum(np.argmax(float_logits[window], -1) == np.argmax(quant_logits[window], -1)))
-            positions += len(fed) - len(prompt) + 1
+            agreed, counted = greedy_agreement_counts(float_logits[window], quant_logits[window])
+            agree += agreed
+            positions += counted
     text_ids = text_ids[:budget]
     return {
         "prompts": len(prompts),
@@ -233,8 +234,8 @@ def evaluate_quality(
         "greedy_agreement": agree / positions if positions else float("nan"),
         "greedy_positions": positions,
         "perplexity_tokens": len(text_ids) - 1,
-        "perplexity_float": _perplexity(_logits(float_runner, text_ids), text_ids),
-        "perplexity_quantized": _perplexity(_logits(quant_runner, text_ids), text_ids),
+        "perplexity_float": perplexity(_logits(float_runner, text_ids), text_ids),
+        "perplexity_quantized": perplexity(_logits(quant_runner, text_ids), text_ids),
     }
 
 
@@ -259,8 +260,23 @@ def _logits(runner, ids: list[int]) -> np.ndarray:
     return runner.run({"input_ids": feed, **lm_defaults(runner.input_specs, feed)})["logits"][0]
 
 
-def _perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    # ppl = exp(mean_t -log softmax(logits_t)[ids_{t+1}]), in float64
+def greedy_agreement_counts(float_logits: np.ndarray, quant_logits: np.ndarray) -> tuple[int, int]:
+    """(positions where the arg-max over the last axis agrees, positions): both [T, V] over the same tokens."""
+    float_logits, quant_logits = np.asarray(float_logits), np.asarray(quant_logits)
+    if float_logits.shape != quant_logits.shape or float_logits.ndim != 2:
+        raise ValueError(f"expected two [T, V] logits of one shape, got {float_logits.shape} and {quant_logits.shape}")
+    agreed = np.argmax(float_logits, -1) == np.argmax(quant_logits, -1)
+    return int(agreed.sum()), int(agreed.size)
+
+
+def perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    """exp(mean over t of -log softmax(logits[t])[ids[t+1]]): next-token perplexity, natural log, float64.
+
+    logits: [T, V] for the T tokens `ids`; the last row predicts nothing inside the text and is unused.
+    """
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or len(logits) != len(ids) or len(ids) < 2:
+        raise ValueError(f"expected [T, V] logits for T >= 2 ids, got {logits.shape} for {len(ids)} ids")
     logits = logits[:-1].astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))

@@ -105,10 +105,47 @@ def test_trace_pre_vs_post_rows_differ_and_match_hand_values(trace):
     assert c["stage"] == "after_attention" and c["token"] == 1
     # pre: x1 + attention = (0,2,0,0) + (2 p0, 2(1-p0), 0, 0)
     np.testing.assert_allclose(c["pre_norm"], [2 * P0, 4 - 2 * P0, 0, 0], rtol=1e-12, atol=1e-15)
-    # post: the same sum, RMS-normalised
+    # post (the chapter's Post-LN, the original Transformer's): LayerNorm(x + MHA(x)). MHA on the raw row 2*e1
+    # equals MHA on its RMSNorm (rms 1, unit gain), so the sum is the same v; LayerNorm subtracts v's mean
+    # (1) and divides by its standard deviation, eps 0, gain 1, bias 0.
     v = np.array([2 * P0, 4 - 2 * P0, 0, 0])
-    np.testing.assert_allclose(c["post_norm"], v / np.sqrt((v**2).mean()), rtol=1e-12, atol=1e-15)
+    centred = v - v.mean()
+    layer_norm = centred / np.sqrt((centred**2).mean())
+    np.testing.assert_allclose(c["post_norm"], layer_norm, rtol=1e-12, atol=1e-14)
+    assert sum(c["post_norm"]) == pytest.approx(0, abs=1e-14)  # mean-subtracted ...
+    assert not np.allclose(c["post_norm"], v / np.sqrt((v**2).mean()), atol=0.1)  # ... so not RMSNorm's v / rms(v)
     assert not np.allclose(c["pre_norm"], c["post_norm"], atol=1e-3)
+    assert c["pre_norm_formula"] == "x + MHA(RMSNorm(x))"
+    assert c["post_norm_formula"].startswith("LayerNorm(x + MHA(x))") and "v - mean(v)" in c["post_norm_formula"]
+    assert c["post_norm_parameters"] == {
+        "gain": [1.0] * 4,
+        "bias": [0.0] * 4,
+        "eps": 0.0,
+        "note": "the worked example has no LayerNorm: gain from its attention_norm (all ones), bias 0",
+    }
+
+
+def test_post_norm_contrast_is_layernorm_of_the_residual_sum_for_any_token(trace):
+    """Every token: MHA(x) from the block's own attention module (same weights, raw input), LayerNorm in numpy."""
+    model = build_worked_example().double()
+    x = torch.from_numpy(worked_example_inputs()["hidden_states"]).double()
+    with torch.no_grad():
+        branch = model.block[0].attention(x)[0].numpy()
+        after = model(x)["block.0.after_attention"]
+    s = x.numpy() + branch
+    want = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True))
+    for token in range(3):
+        c = trace_mod.pre_vs_post(model, x, after, token)
+        np.testing.assert_allclose(c["post_norm"], want[0, token], rtol=1e-12, atol=1e-14)
+        np.testing.assert_array_equal(c["pre_norm"], after[0, token].numpy())
+
+
+def test_trace_text_shows_the_layernorm_contrast(trace):
+    text = render_text(trace)
+    assert "Post-LN LayerNorm(x + MHA(x))" in text and "Pre-LN  x + MHA(RMSNorm(x))" in text
+    assert "LayerNorm mean-subtracted, eps 0; the worked example has no LayerNorm" in text
+    (post,) = [line for line in text.splitlines() if line.startswith("  post: ")]
+    assert post.startswith("  post: [" + ", ".join(f"{v: .6f}" for v in trace["pre_vs_post"]["post_norm"]) + "]")
 
 
 def test_trace_probe_logits(trace):

@@ -27,7 +27,7 @@ from runners.eager import model_from_artifact
 from runners.registry import create_runner
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
-from toolkit.quantize.pipeline import quantize_artifact
+from toolkit.quantize.pipeline import GREEDY_TOKENS, PROMPTS, evaluate_quality, quantize_artifact
 
 pytestmark = pytest.mark.slow
 
@@ -364,3 +364,136 @@ def test_check_refuses_int8_activations_without_explicit_tolerances(source, tmp_
     result = invoke("check", target, "--backends", "eager,ort-cpu", "--tolerances", loose)
     assert result.exit_code == 0, result.output
     assert "RESULT: PASS" in result.output
+
+
+# --------------------------------------------------------------------------- quality math, held to numpy
+
+
+def numpy_agreement(float_logits: np.ndarray, quant_logits: np.ndarray) -> float:
+    """Independent: the fraction of rows whose arg-max (first maximum) is the same."""
+    same = [
+        max(range(len(f)), key=lambda j: (f[j], -j)) == max(range(len(q)), key=lambda j: (q[j], -j))
+        for f, q in zip(float_logits.tolist(), quant_logits.tolist(), strict=True)
+    ]
+    return sum(same) / len(same)
+
+
+def numpy_perplexity(logits: np.ndarray, ids: list[int]) -> float:
+    """Independent: exp of the mean next-token negative log-likelihood, via math.fsum and log-sum-exp."""
+    import math
+
+    nll = []
+    for t in range(len(ids) - 1):
+        row = [float(v) for v in logits[t]]
+        top = max(row)
+        log_z = top + math.log(math.fsum(math.exp(v - top) for v in row))
+        nll.append(log_z - row[ids[t + 1]])
+    return math.exp(math.fsum(nll) / len(nll))
+
+
+def flipped_fixture():
+    """Float logits [6, 5] with arg-maxes 0..4,0; the quantized copy has arg-max flips hand-placed at rows 1 and 4
+    (a near-tie pushed over, and a clear swap), so 4 of 6 agree."""
+    float_logits = np.full((6, 5), -1.0)
+    for row, top in enumerate([0, 1, 2, 3, 4, 0]):
+        float_logits[row, top] = 2.0
+    quant = float_logits + 0.01  # a shift of every logit changes no arg-max
+    quant[1, 3] = 2.02  # row 1: 1 -> 3 by 0.01 (quant[1, 1] is 2.01)
+    quant[4, [4, 2]] = [0.0, 3.0]  # row 4: 4 -> 2
+    quant[2, 0] = 2.0  # row 2: a rise that stays below the top (2.01): no flip
+    return float_logits, quant
+
+
+def test_greedy_agreement_on_hand_placed_flips():
+    from toolkit.quantize.pipeline import greedy_agreement_counts
+
+    float_logits, quant = flipped_fixture()
+    assert greedy_agreement_counts(float_logits, quant) == (4, 6)
+    assert numpy_agreement(float_logits, quant) == 4 / 6
+    assert greedy_agreement_counts(float_logits, float_logits) == (6, 6)
+    with pytest.raises(ValueError, match="one shape"):
+        greedy_agreement_counts(float_logits, quant[:5])
+
+
+def test_perplexity_of_hand_computable_logits():
+    """V=4, ids 0,1,2,3,0. Row 0: all equal -> p = 1/4. Row 1: target ln 3 above 3 others -> 3/6 = 1/2.
+    Row 2: target at ln 6 -> 6/9 = 2/3. Row 3: target 0, another at ln 5 -> 1/8. The last row is unused.
+    ppl = (4 * 2 * 3/2 * 8) ** (1/4) = 96 ** 0.25; a 1000 offset on every logit changes nothing."""
+    import math
+
+    from toolkit.quantize.pipeline import perplexity
+
+    ids = [0, 1, 2, 3, 0]
+    logits = np.zeros((5, 4))
+    logits[1, 2] = math.log(3)
+    logits[2, 3] = math.log(6)
+    logits[3, 1] = math.log(5)
+    logits[4] = [50.0, -50.0, 0.0, 7.0]  # never read
+    want = 96**0.25
+    assert numpy_perplexity(logits, ids) == pytest.approx(want, rel=1e-14)
+    assert perplexity(logits, ids) == pytest.approx(want, rel=1e-12)
+    assert perplexity((logits + 1000).astype(np.float32), ids) == pytest.approx(want, rel=1e-5)
+    assert perplexity(np.zeros((3, 7)), [1, 2, 3]) == pytest.approx(7.0, rel=1e-14)  # uniform -> V
+    with pytest.raises(ValueError, match="T >= 2"):
+        perplexity(logits[:3], ids)
+
+
+def independent_quality(float_artifact, other_artifact) -> dict:
+    """Greedy agreement and both perplexities recomputed from the two models' logits on ONNX Runtime CPU (the
+    runners and inputs of the report): the float model's greedy continuation of each prompt, teacher-forced
+    into both, compared at the rows that predicted the continuation; perplexity on the fixed text."""
+    from toolkit.quantize.pipeline import GREEDY_TOKENS, _fixed_inputs
+
+    config = artifact_config(float_artifact)
+    prompts, text_ids, _ = _fixed_inputs(float_artifact, config)
+    runners = {"float": create_runner("ort-cpu", float_artifact), "other": create_runner("ort-cpu", other_artifact)}
+
+    def logits(name, ids):  # [T, V], one call on an empty cache
+        return CachedLM(runners[name], config.max_positions).step(np.asarray([ids], dtype=np.int64))[0]
+
+    agreed, positions = 0.0, 0
+    for prompt in prompts:
+        sequence = list(prompt)
+        for _ in range(GREEDY_TOKENS):
+            sequence.append(int(np.argmax(logits("float", sequence)[-1])))
+        fed = sequence[:-1]
+        rows = slice(len(prompt) - 1, len(fed))
+        f, q = logits("float", fed)[rows], logits("other", fed)[rows]
+        agreed += numpy_agreement(f, q) * len(f)
+        positions += len(f)
+    text = text_ids[: config.max_positions]
+    return {
+        "greedy_agreement": agreed / positions,
+        "greedy_positions": positions,
+        "perplexity_float": numpy_perplexity(logits("float", text), text),
+        "perplexity_quantized": numpy_perplexity(logits("other", text), text),
+    }
+
+
+def assert_quality_matches(reported: dict, independent: dict) -> None:
+    assert reported["greedy_positions"] == independent["greedy_positions"] == len(PROMPTS) * GREEDY_TOKENS
+    assert reported["greedy_agreement"] == pytest.approx(independent["greedy_agreement"], abs=1e-12)
+    for key in ("perplexity_float", "perplexity_quantized"):
+        assert reported[key] == pytest.approx(independent[key], rel=1e-9), key
+
+
+def test_reported_quality_of_a_quantized_artifact_equals_an_independent_computation(source, quantized):
+    """int4 of the test model: the manifest's numbers equal the independent ones over the same logits."""
+    for key in (4, "hqq"):
+        artifact, _ = quantized[key]
+        assert_quality_matches(artifact.manifest.quantization["quality"], independent_quality(source, artifact))
+
+
+def test_quality_of_a_different_model_flips_arg_maxes_and_perplexity(source, tmp_path):
+    """int4 here keeps every greedy arg-max (agreement 1.0), so a report stuck at 100% and at the float
+    perplexity would pass the test above: evaluate_quality against another model (same shapes, other seed,
+    untied head) must measure flips and a different perplexity, equal to the independent computation."""
+    # untied: with a tied head a random model's arg-max is mostly the current token, for any seed
+    config = get_family("llama").config_from_dict({**CONFIG, "tie_embeddings": False})
+    export_model(build_model("llama", config, seed=1), "llama", config, tmp_path / "other", variant="serving")
+    other = open_artifact(tmp_path / "other")
+    reported = evaluate_quality(source, other)
+    independent = independent_quality(source, other)
+    assert_quality_matches(reported, independent)
+    assert independent["greedy_agreement"] < 0.9  # measured: 0.0
+    assert abs(independent["perplexity_quantized"] / independent["perplexity_float"] - 1) > 0.01
