@@ -1,6 +1,7 @@
 """Text tokenizers from checkpoints, on the `tokenizers` library (no hand-written BPE).
 
-Sources: a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`), or the
+Sources: a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`, and
+`generation_config.json` for the end-of-sequence ids generation stops on), or the
 vocabulary, merges and special tokens in GGUF metadata. Chat templates come
 from the checkpoint, so they render in a sandboxed Jinja environment.
 """
@@ -14,15 +15,35 @@ from artifact.errors import ModelFileError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 # GGUF pre-tokenizer names this toolkit can rebuild, and how.
 GGUF_PRE_TOKENIZERS = ("gpt2", "smollm", "default")
 
 
 class TextTokenizer:
-    def __init__(self, backend, *, bos_id: int | None, eos_id: int | None, add_bos: bool, chat_template: str | None):
+    """eos_id is the tokenizer's own end-of-sequence token (what chat templates render); eos_ids are the
+    further ids generation ends on (generation_config.json's eos_token_id list, Llama 3 Instruct's
+    <|eot_id|>, GGUF's end-of-turn and end-of-message ids)."""
+
+    def __init__(
+        self,
+        backend,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        chat_template: str | None,
+        eos_ids: tuple[int, ...] = (),
+    ):
         self.backend = backend
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
         self.chat_template = chat_template
+        self.eos_ids = tuple(eos_ids)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: eos_id first, then eos_ids, each once."""
+        return tuple(dict.fromkeys(t for t in (self.eos_id, *self.eos_ids) if t is not None))
 
     @property
     def vocab_size(self) -> int:
@@ -67,6 +88,7 @@ class TextTokenizer:
             "eos_id": self.eos_id,
             "add_bos": self.add_bos,
             "chat_template": self.chat_template,
+            "eos_ids": list(self.eos_ids),
         }
         return {
             TOKENIZER_FILE: self.backend.to_str().encode(),
@@ -82,12 +104,18 @@ class TextTokenizer:
             config = json.loads((directory / CONFIG_FILE).read_text())
         except (OSError, ValueError, Exception) as exc:  # tokenizers raises plain Exception
             raise ModelFileError(f"{directory}: cannot read the tokenizer ({exc}); re-export with --from") from None
+        eos_ids = config.get("eos_ids", [])  # absent from artifacts exported before eos_ids were kept
+        if not isinstance(eos_ids, list) or not all(_is_token_id(t) for t in eos_ids):
+            raise ModelFileError(
+                f"{directory / CONFIG_FILE}: eos_ids {eos_ids!r:.60} is not a list of token ids; re-export with --from"
+            )
         return cls(
             backend,
             bos_id=config.get("bos_id"),
             eos_id=config.get("eos_id"),
             add_bos=bool(config.get("add_bos")),
             chat_template=config.get("chat_template"),
+            eos_ids=tuple(eos_ids),
         )
 
     @classmethod
@@ -124,6 +152,7 @@ class TextTokenizer:
             eos_id=special("eos_token"),
             add_bos=bool(add_bos),
             chat_template=config.get("chat_template"),
+            eos_ids=generation_eos_ids(directory / GENERATION_CONFIG_FILE),
         )
 
     @classmethod
@@ -157,7 +186,32 @@ class TextTokenizer:
             eos_id=fields.get("tokenizer.ggml.eos_token_id"),
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
             chat_template=fields.get("tokenizer.chat_template"),
+            # llama.cpp ends generation on end-of-turn and end-of-message tokens as on EOS.
+            eos_ids=tuple(
+                t for t in (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")) if t is not None
+            ),
         )
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (one id or a list, as Llama 3 Instruct lists <|eot_id|>); () without one."""
+    if not path.is_file():
+        return ()
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, RecursionError) as exc:
+        raise ModelFileError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    value = config.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(_is_token_id(t) for t in ids):
+        raise ModelFileError(f"{path}: eos_token_id {value!r:.60} is not a token id or a list of token ids")
+    return tuple(dict.fromkeys(ids))
 
 
 def load_tokenizer(artifact, shown: str | Path) -> TextTokenizer:

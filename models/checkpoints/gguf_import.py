@@ -1,7 +1,8 @@
 """GGUF checkpoints: metadata to a LlamaConfig, tensors dequantized by the `gguf` library, llama.cpp names to ours.
 
 The file is walked and checked by gguf_reader.py first; the tokenizer metadata is type- and
-range-checked here before TextTokenizer.from_gguf builds a tokenizer from it.
+range-checked here before TextTokenizer.from_gguf builds a tokenizer from it. Every metadata key is
+implemented, known not to change the computation, or refused (config_keys.KeyPolicy, gguf_key_policy).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from artifact.errors import ConfigError, ModelFileError
+from models.checkpoints.config_keys import KeyPolicy, Only, is_int
 from models.checkpoints.gguf_reader import GGUF_PLAIN_TYPES, GGUFTensor, check_gguf_header
 from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
 from models.llama import LlamaConfig
@@ -26,6 +28,84 @@ GGUF_TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 GGUF_DEQUANTIZE_ROW_BYTES = 2048
 
 
+def gguf_key_policy(arch: str) -> KeyPolicy:
+    """The metadata keys of a GGUF `arch` file: implemented, implemented at a neutral value only, or inert."""
+
+    def at_head_width(value, raw, ours) -> bool:
+        return value is None or value == ours.head_width
+
+    def head_width(raw, ours) -> str:
+        return f"embedding_length/head_count = {ours.head_width}"
+
+    return KeyPolicy(
+        f"GGUF {arch}",
+        implemented=frozenset(
+            {
+                "general.architecture",
+                *(
+                    f"{arch}.{key}"
+                    for key in (
+                        "block_count",
+                        "context_length",
+                        "embedding_length",
+                        "feed_forward_length",
+                        "attention.head_count",
+                        "attention.head_count_kv",
+                        "rope.freq_base",
+                        "attention.layer_norm_rms_epsilon",
+                        "vocab_size",
+                    )
+                ),
+                # What TextTokenizer.from_gguf builds the tokenizer and its stop ids from.
+                "tokenizer.ggml.model",
+                "tokenizer.ggml.pre",
+                "tokenizer.ggml.tokens",
+                "tokenizer.ggml.merges",
+                "tokenizer.ggml.token_type",
+                "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id",
+                "tokenizer.ggml.add_bos_token",
+                "tokenizer.chat_template",
+            }
+        ),
+        only={
+            f"{arch}.rope.dimension_count": Only(at_head_width, head_width),
+            f"{arch}.attention.key_length": Only(at_head_width, head_width),
+            f"{arch}.attention.value_length": Only(at_head_width, head_width),
+            f"{arch}.rope.scaling.type": Only(lambda v, raw, ours: v in ("none", None), '"none" (unscaled RoPE)'),
+            f"{arch}.rope.scaling.factor": Only(lambda v, raw, ours: v in (0, 1), "0 or 1 (unscaled RoPE)"),
+            f"{arch}.attention.sliding_window": Only(
+                lambda v, raw, ours: v == 0 or (is_int(v) and v >= ours.max_positions),
+                lambda raw, ours: f"0 or >= context_length = {ours.max_positions} (no window)",
+            ),
+            f"{arch}.attention.causal": Only(lambda v, raw, ours: v is True, "true"),
+            f"{arch}.expert_count": Only(lambda v, raw, ours: v == 0, "0 (a dense model)"),
+            f"{arch}.expert_used_count": Only(lambda v, raw, ours: v == 0, "0 (a dense model)"),
+            # Appending EOS to every prompt changes what generation sees.
+            "tokenizer.ggml.add_eos_token": Only(lambda v, raw, ours: v is False, "false"),
+        },
+        inert=frozenset(
+            {
+                # YaRN's parameters: they only act with a scaling type, which is refused unless "none".
+                f"{arch}.rope.scaling.original_context_length",
+                f"{arch}.rope.scaling.finetuned",
+            }
+        ),
+        inert_prefixes=(
+            "GGUF.",  # the reader's own: version and counts
+            "general.",  # names, licences, file type, quantization version, base models, tags
+            # Tokenizer bookkeeping: SentencePiece scores and prefix-space flag (a byte-level BPE vocabulary
+            # merges by rank), further special ids, named chat templates, the same tokenizer in Hugging Face's
+            # format; the tokens and merges above are what is read.
+            "tokenizer.",
+            "quantize.imatrix.",  # which calibration data chose the quantization, not how to dequantize it
+        ),
+        subject="GGUF metadata ",
+    )
+
+
 def import_gguf(path: Path) -> ImportedCheckpoint:
     header = check_gguf_header(path)
     fields, tensors_by_name = header.fields, header.tensors
@@ -35,6 +115,7 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
             f"{path}: GGUF architecture {arch!r:.60} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     config = _llama_config(fields, arch, tensors_by_name.keys(), path)
+    gguf_key_policy(arch).check(fields, config, path)
     tensors = {name: (lambda t=t: _dequantize(t, path)) for name, t in tensors_by_name.items()}
     state = _gguf_names(config, tensors, path)
     model = load_model("llama", config, state, path, assign=True)  # the dequantized tensors are ours
@@ -44,7 +125,7 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
 
 
 def _llama_config(fields: dict, arch: str, tensor_names, path: Path) -> LlamaConfig:
-    """The config from `{arch}.*` metadata; the tensor names tell tied embeddings and scaled RoPE."""
+    """The config from `{arch}.*` metadata; the tensor names tell tied embeddings and scaled RoPE (rope_freqs)."""
 
     def meta(key, default=None, kind=int):
         value = fields.get(f"{arch}.{key}", default)
@@ -58,13 +139,11 @@ def _llama_config(fields: dict, arch: str, tensor_names, path: Path) -> LlamaCon
             )
         return kind(value)
 
-    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
-    factor = fields.get(f"{arch}.rope.scaling.factor", 1.0)
-    rope_freqs = "rope_freqs.weight" in tensor_names
-    if scaling not in ("none", None) or factor not in (0, 1, 1.0) or rope_freqs:
+    # Scaled RoPE in metadata is refused by the key check; Llama 3.1-style files carry it as a tensor of
+    # per-frequency divisors instead, which llama.cpp applies to every RoPE angle.
+    if "rope_freqs.weight" in tensor_names:
         raise ModelFileError(
-            f"{path}: RoPE scaling (type {scaling!r:.40}, factor {factor!r:.40}, rope_freqs "
-            f"{'present' if rope_freqs else 'absent'}) is not supported; supported: unscaled RoPE"
+            f"{path}: tensor 'rope_freqs.weight' (RoPE frequency scaling) is not supported; supported: unscaled RoPE"
         )
     heads = meta("attention.head_count")
     tokens = fields.get("tokenizer.ggml.tokens", [])
@@ -101,7 +180,12 @@ def _gguf_tokenizer(fields: dict, vocab_size: int, path: Path) -> TextTokenizer:
         problems.append("tokenizer.ggml.merges is not a list of 'a b' strings")
     if not isinstance(types, list) or not all(isinstance(t, int) for t in types) or len(types) > vocab_size:
         problems.append("tokenizer.ggml.token_type is not a list of integers, one per token")
-    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+    for key in (
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ):
         value = fields.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
             problems.append(f"{key} {value!r:.40} is not a token id in [0, {vocab_size})")

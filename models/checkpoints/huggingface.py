@@ -1,11 +1,18 @@
-"""Hugging Face directories: config.json to our config dataclasses, safetensors names to our parameter names."""
+"""Hugging Face directories: config.json to our config dataclasses, safetensors names to our parameter names.
+
+Every key of config.json is implemented, known not to change the computation, or refused
+(config_keys.KeyPolicy): the lists below are per architecture, and each group of inert keys says why.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
+
 from artifact.errors import ConfigError, ModelFileError
+from models.checkpoints.config_keys import KeyPolicy, Only, is_int, is_number, refusal
 from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
 from models.checkpoints.safetensors_reader import read_safetensors
 from models.gpt import GPTConfig
@@ -13,6 +20,201 @@ from models.llama import LlamaConfig
 from models.tokenizer import TextTokenizer
 
 HF_ARCHITECTURES = ("llama (LlamaForCausalLM)", "gpt2 (GPT2LMHeadModel)")
+
+# PretrainedConfig's own keys and transformers' bookkeeping; none changes what LlamaForCausalLM or
+# GPT2LMHeadModel compute from input ids.
+HF_INERT = frozenset(
+    {
+        # Provenance: which class, library version, path and revision wrote the file.
+        "architectures",
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+        "_attn_implementation_autoset",
+        # The storage dtype: tensors are read as stored and computed in float32 (the export dtype is an option).
+        "dtype",
+        "torch_dtype",
+        # What the forward returns and whether it keeps a KV cache, not the values it computes.
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "torchscript",
+        # Token ids the tokenizer and generation use (generation_config.json's eos_token_id is read with the
+        # tokenizer), never the forward.
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        # Training only: initialisation and dropout (inference runs in eval mode, where dropout is the identity).
+        "initializer_range",
+        "attention_dropout",
+        # Sequence-classification heads and fine-tuning tasks, which a causal LM does not have.
+        "id2label",
+        "label2id",
+        "num_labels",
+        "problem_type",
+        "finetuning_task",
+        # Encoder-decoder wiring, which neither causal-LM class reads.
+        "is_encoder_decoder",
+        "is_decoder",
+        "tie_encoder_decoder",
+        "cross_attention_hidden_size",
+        # Chunks the feed-forward over positions: the same function computed in pieces.
+        "chunk_size_feed_forward",
+        # Defaults for transformers' generate() and pipelines: decoding policy, not the model's function;
+        # `toolkit generate` and `toolkit serve` take theirs from their options and requests.
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "task_specific_params",
+        # Tokenizer bookkeeping: the tokenizer is read from tokenizer.json.
+        "tokenizer_class",
+        "prefix",
+        # TensorFlow-only flags.
+        "use_bfloat16",
+        "tf_legacy_loss",
+    }
+)
+# Keys of PretrainedConfig that change the model unless they are at their neutral value.
+HF_ONLY = {
+    # Pruned heads remove rows of the attention projections.
+    "pruned_heads": Only(lambda v, raw, ours: not v, "{} (no pruned heads)"),
+    # Cross-attention blocks attend to an encoder this import has no input for.
+    "add_cross_attention": Only(lambda v, raw, ours: v is None or v is False, "false"),
+}
+
+
+def _window_is_whole_context(value, raw, ours) -> bool:
+    """A window at least as long as the context never masks anything; use_sliding_window=false turns it off."""
+    return value is None or (is_int(value) and value >= ours.max_positions) or raw.get("use_sliding_window") is False
+
+
+def _is_default_rope(value) -> bool:
+    if not isinstance(value, dict):
+        return False
+    extra = set(value) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    kind = value.get("rope_type", value.get("type", "default"))
+    return not extra and kind == "default" and value.get("partial_rotary_factor", 1.0) == 1.0
+
+
+LLAMA_KEYS = KeyPolicy(
+    "llama",
+    implemented=frozenset(
+        {
+            "model_type",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_theta",
+            "rope_parameters",
+            "tie_word_embeddings",
+        }
+    ),
+    only={
+        **HF_ONLY,
+        "hidden_act": Only(lambda v, raw, ours: v == "silu", '"silu"'),
+        "attention_bias": Only(lambda v, raw, ours: v is None or v is False, "false (the LLaMA family is bias-free)"),
+        "mlp_bias": Only(lambda v, raw, ours: v is None or v is False, "false (the LLaMA family is bias-free)"),
+        "head_dim": Only(
+            lambda v, raw, ours: v is None or v == ours.head_width,
+            lambda raw, ours: f"null or hidden_size/num_attention_heads = {ours.head_width}",
+        ),
+        "partial_rotary_factor": Only(
+            lambda v, raw, ours: v is None or v == 1.0, "null or 1.0 (RoPE on every dimension)"
+        ),
+        "sliding_window": Only(
+            _window_is_whole_context,
+            lambda raw, ours: f"null or >= max_position_embeddings = {ours.max_positions} (no window)",
+        ),
+        "use_sliding_window": Only(
+            lambda v, raw, ours: v is False or _window_is_whole_context(raw.get("sliding_window"), {}, ours),
+            lambda raw, ours: f"false, or a sliding_window >= max_position_embeddings = {ours.max_positions}",
+        ),
+        "rope_scaling": Only(lambda v, raw, ours: v is None or _is_default_rope(v), 'null or rope_type "default"'),
+        "attn_logit_softcapping": Only(lambda v, raw, ours: v is None, "null (no soft-capping)"),
+        "final_logit_softcapping": Only(lambda v, raw, ours: v is None, "null (no soft-capping)"),
+    },
+    inert=HF_INERT
+    | {
+        # Slices each projection into pretraining_tp pieces and sums them: the same function.
+        "pretraining_tp",
+    },
+)
+
+GPT2_KEYS = KeyPolicy(
+    "gpt2",
+    implemented=frozenset(
+        {
+            "model_type",
+            "vocab_size",
+            "n_embd",
+            "n_head",
+            "n_inner",
+            "n_positions",
+            "n_layer",
+            "layer_norm_epsilon",
+            "activation_function",
+            "tie_word_embeddings",
+        }
+    ),
+    only={
+        **HF_ONLY,
+        "scale_attn_weights": Only(
+            lambda v, raw, ours: v is None or v is True, "true (scores scaled by 1/sqrt(head width))"
+        ),
+        "scale_attn_by_inverse_layer_idx": Only(lambda v, raw, ours: v is None or v is False, "false"),
+        # transformers no longer reads n_ctx; one that is not the context contradicts n_positions.
+        "n_ctx": Only(
+            lambda v, raw, ours: v is None or v == ours.context,
+            lambda raw, ours: f"null or n_positions = {ours.context}",
+        ),
+    },
+    inert=HF_INERT
+    | {
+        # Dropout: the identity at inference.
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        # GPT2DoubleHeadsModel's multiple-choice head, which GPT2LMHeadModel does not have.
+        "summary_type",
+        "summary_use_proj",
+        "summary_activation",
+        "summary_proj_to_labels",
+        "summary_first_dropout",
+        # The same attention with the scale applied before the matmul in float32: only float16/bfloat16
+        # rounding differs, never the function.
+        "reorder_and_upcast_attn",
+    },
+)
 
 
 def import_huggingface(directory: Path) -> ImportedCheckpoint:
@@ -23,15 +225,18 @@ def import_huggingface(directory: Path) -> ImportedCheckpoint:
         hf = json.loads(config_path.read_text())
     except (ValueError, RecursionError) as exc:
         raise ModelFileError(f"{config_path}: invalid JSON ({exc})") from None
+    if not isinstance(hf, dict):
+        raise ModelFileError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type == "llama":
-        family, config, expected = "llama", _llama_config(hf, config_path), _llama_names
+        family, config, expected, keys = "llama", _llama_config(hf, config_path), _llama_names, LLAMA_KEYS
     elif model_type == "gpt2":
-        family, config, expected = "gpt", _gpt2_config(hf, config_path), _gpt2_names
+        family, config, expected, keys = "gpt", _gpt2_config(hf, config_path), _gpt2_names, GPT2_KEYS
     else:
         raise ModelFileError(
             f"{config_path}: model_type {model_type!r} is not supported; supported: {', '.join(HF_ARCHITECTURES)}"
         )
+    keys.check(hf, config, config_path)
     tensors = read_safetensors(directory)
     state = expected(config, tensors, directory)
     model = load_model(family, config, state, directory)
@@ -47,52 +252,50 @@ def _get(hf: dict, key: str, where: Path, default=None, required=True):
     return default
 
 
+def _tie(hf: dict, default: bool, where: Path, importer: str) -> bool:
+    value = hf.get("tie_word_embeddings")
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise refusal(where, "tie_word_embeddings", value, importer, "true or false")
+    return value
+
+
 def _llama_config(hf: dict, where: Path) -> LlamaConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ModelFileError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported; supported: 'silu'")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ModelFileError(f"{where}: {flag}=true is not supported (the LLaMA family is bias-free)")
-    rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for source in (rope, scaling):  # either key may carry the scaling; transformers honours both
-        rope_type = source.get("rope_type", source.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise ModelFileError(f"{where}: rope scaling {rope_type!r} is not supported; supported: default")
+    # transformers 5 keeps the RoPE parameters in rope_parameters, older files a top-level rope_theta
+    # (rope_parameters wins where both are given, as in transformers); scaling is refused by the key check.
+    rope = hf.get("rope_parameters")
+    if rope is not None and not _is_default_rope(rope):
+        raise refusal(where, "rope_parameters", rope, "llama", 'rope_type "default" with rope_theta (unscaled RoPE)')
+    rope_base = (rope or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not is_number(rope_base):
+        raise refusal(where, "rope_theta", rope_base, "llama", "a number")
     heads = _get(hf, "num_attention_heads", where)
-    width = _get(hf, "hidden_size", where)
-    if hf.get("head_dim") not in (None, width // heads):
-        raise ModelFileError(
-            f"{where}: head_dim {hf['head_dim']} != hidden_size/num_attention_heads "
-            f"= {width // heads}; decoupled head widths are not supported"
-        )
     try:
         return LlamaConfig(
             vocab_size=_get(hf, "vocab_size", where),
             layers=_get(hf, "num_hidden_layers", where),
-            width=width,
+            width=_get(hf, "hidden_size", where),
             heads=heads,
             kv_heads=hf.get("num_key_value_heads") or heads,
             ff_width=_get(hf, "intermediate_size", where),
             max_positions=_get(hf, "max_position_embeddings", where, 2048),
-            rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_base=float(rope_base),
             eps=float(_get(hf, "rms_norm_eps", where, 1e-6)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=_tie(hf, False, where, "llama"),
             rope_pairing="half",  # Hugging Face rotates (i, i + head_width/2)
         )
-    except ConfigError as exc:
+    except (ConfigError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{where}: {exc}") from None
 
 
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
 def _gpt2_config(hf: dict, where: Path) -> GPTConfig:
-    activations = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
     act = hf.get("activation_function", "gelu_new")
-    if act not in activations:
-        raise ModelFileError(
-            f"{where}: activation_function {act!r} is not supported; supported: {', '.join(activations)}"
-        )
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights") is False:
-        raise ModelFileError(f"{where}: non-standard attention scaling is not supported")
+    if act not in GPT2_ACTIVATIONS:
+        raise refusal(where, "activation_function", act, "gpt2", ", ".join(GPT2_ACTIVATIONS))
     width = _get(hf, "n_embd", where)
     try:
         return GPTConfig(
@@ -104,10 +307,10 @@ def _gpt2_config(hf: dict, where: Path) -> GPTConfig:
             layers=_get(hf, "n_layer", where),
             eps=float(hf.get("layer_norm_epsilon", 1e-5)),
             attention_bias=True,
-            activation=activations[act],
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            activation=GPT2_ACTIVATIONS[act],
+            tie_embeddings=_tie(hf, True, where, "gpt2"),
         )
-    except ConfigError as exc:
+    except (ConfigError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{where}: {exc}") from None
 
 
@@ -169,8 +372,23 @@ def _gpt2_names(c: GPTConfig, tensors: dict, where) -> dict:
 
 
 def _take_lm_head(state: dict, tensors: dict, c: LlamaConfig | GPTConfig, where) -> None:
+    """The output projection as tie_word_embeddings says, refusing weights that contradict it."""
+    shape = (c.vocab_size, c.width)
     if c.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # some tied checkpoints still store the copy
-        state["lm_head.weight"] = state["embed_tokens.weight"]
+        # Some tied checkpoints still store the copy; a copy that differs is a head transformers would drop.
+        stored = tensors.pop("lm_head.weight", None)
+        embedding = state["embed_tokens.weight"]
+        if stored is not None and (stored.shape != embedding.shape or not torch.equal(stored, embedding)):
+            raise ModelFileError(
+                f"{where}: tie_word_embeddings=true but the stored 'lm_head.weight' differs from the token "
+                "embedding; supported: tied (no lm_head.weight, or a copy of the embedding) or "
+                "tie_word_embeddings=false with its own lm_head.weight"
+            )
+        state["lm_head.weight"] = embedding
+    elif "lm_head.weight" not in tensors:
+        raise ModelFileError(
+            f"{where}: tie_word_embeddings=false but there is no tensor 'lm_head.weight' (expected shape {shape}); "
+            "supported: an untied checkpoint with its lm_head.weight, or tie_word_embeddings=true"
+        )
     else:
-        state["lm_head.weight"] = take_tensor(tensors, "lm_head.weight", (c.vocab_size, c.width), where)
+        state["lm_head.weight"] = take_tensor(tensors, "lm_head.weight", shape, where)

@@ -284,23 +284,32 @@ BAD_HF = {
         lambda c, t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}),
         r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'",
     ),
-    "missing head": (lambda c, t: t.pop("lm_head.weight"), r"missing tensor 'lm_head\.weight'"),
+    "missing head": (
+        lambda c, t: t.pop("lm_head.weight"),
+        r"tie_word_embeddings=false but there is no tensor 'lm_head\.weight' \(expected shape \(50, 32\)\)",
+    ),
     "unknown model_type": (
         _mutate_config(model_type="mistral"),
         r"model_type 'mistral' is not supported; supported: llama.*gpt2",
     ),
     "no model_type": (_mutate_config(model_type=None), r"model_type None is not supported; supported: llama"),
-    "hidden_act": (_mutate_config(hidden_act="gelu"), r"hidden_act 'gelu' is not supported; supported: 'silu'"),
+    "hidden_act": (
+        _mutate_config(hidden_act="gelu"),
+        r'hidden_act="gelu" is not supported by the llama import; supported: "silu"',
+    ),
     "rope scaling (rope_parameters)": (
         _mutate_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}),
-        r"rope scaling 'linear' is not supported",
+        r'rope_parameters=\{"rope_type": "linear", .* is not supported by the llama import',
     ),
     "rope scaling (legacy rope_scaling)": (
         _mutate_config(rope_parameters=None, rope_theta=100.0, rope_scaling={"type": "dynamic", "factor": 2.0}),
-        r"rope scaling 'dynamic' is not supported",
+        r'rope_scaling=\{"type": "dynamic", "factor": 2\.0\} is not supported by the llama import',
     ),
     "attention bias": (_mutate_config(attention_bias=True), r"attention_bias=true is not supported"),
-    "decoupled head_dim": (_mutate_config(head_dim=16), r"head_dim 16 != hidden_size/num_attention_heads = 8"),
+    "decoupled head_dim": (
+        _mutate_config(head_dim=16),
+        r"head_dim=16 is not supported by the llama import; supported: null or hidden_size/num_attention_heads = 8",
+    ),
     "missing width": (_mutate_config(hidden_size=None), r"missing 'hidden_size'"),
 }
 
@@ -326,7 +335,10 @@ def test_rope_scaling_next_to_default_rope_parameters_is_rejected(tmp_path, base
     config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
     assert Config.from_dict(config).rope_parameters["rope_type"] == "linear"  # what the oracle makes of it
     directory = write_hf(tmp_path / "hf", config, tensors)
-    with pytest.raises(ModelFileError, match=r"rope scaling 'linear' is not supported"):
+    with pytest.raises(
+        ModelFileError,
+        match=r'rope_scaling=\{"rope_type": "linear", "factor": 4\.0.* is not supported by the llama import',
+    ):
         import_checkpoint(directory)
 
 
@@ -334,7 +346,9 @@ def test_unsupported_gpt2_activation(tmp_path):
     hf = hf_gpt2(seed=2)
     directory = save(hf, tmp_path / "hf")
     edit_config(directory, lambda c: c.update(activation_function="relu"))
-    with pytest.raises(ModelFileError, match=r"activation_function 'relu' is not supported; supported: gelu_new"):
+    with pytest.raises(
+        ModelFileError, match=r'activation_function="relu" is not supported by the gpt2 import; supported: gelu_new'
+    ):
         import_checkpoint(directory)
 
 

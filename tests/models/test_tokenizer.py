@@ -260,3 +260,77 @@ def test_bos_from_the_post_processor_is_kept_like_transformers(tmp_path, trained
     want = reference("hello world").input_ids
     assert want[0] == tok.token_to_id("<s>")
     assert TextTokenizer.from_hf_dir(directory).encode("hello world") == want
+
+
+# --------------------------------------------------------------------------- generation_config.json: stop ids
+
+
+@pytest.mark.parametrize(
+    "eos_token_id,extra",
+    [([3, 1], (3,)), (3, (3,)), (None, ()), ("absent", ())],
+    ids=["list (Llama 3 Instruct)", "one id", "null", "absent"],
+)
+def test_generation_config_eos_ids_are_stop_ids(tmp_path, trained, eos_token_id, extra):
+    """stop_ids: the tokenizer's eos first, then generation_config.json's eos_token_id, each once."""
+    directory = hf_dir(tmp_path / "hf", trained, {"eos_token": "</s>"})
+    eos = trained.token_to_id("</s>")
+    assert eos == 1  # the list above repeats it: it stays once
+    if eos_token_id != "absent":
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_token_id, "do_sample": 1}))
+    tokenizer = TextTokenizer.from_hf_dir(directory)
+    assert tokenizer.eos_id == eos
+    assert tokenizer.stop_ids == (eos, *extra)
+    # The artifact carries them: what `toolkit generate` and `toolkit serve` read back.
+    out = tmp_path / "artifact"
+    out.mkdir()
+    for name, data in tokenizer.files().items():
+        (out / name).write_bytes(data)
+    assert TextTokenizer.from_artifact(out).stop_ids == (eos, *extra)
+
+
+def test_generation_config_without_a_tokenizer_eos(tmp_path, trained):
+    directory = hf_dir(tmp_path / "hf", trained, None)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    assert TextTokenizer.from_hf_dir(directory).stop_ids == (5, 7)
+
+
+@pytest.mark.parametrize(
+    "content,pattern",
+    [
+        ("{not json", r"generation_config\.json: invalid JSON"),
+        ("[1, 2]", r"generation_config\.json: expected a JSON object, got list"),
+        ('{"eos_token_id": [1, "x"]}', r"generation_config\.json: eos_token_id \[1, 'x'\] is not a token id"),
+        ('{"eos_token_id": -1}', r"eos_token_id -1 is not a token id or a list of token ids"),
+        ('{"eos_token_id": true}', r"eos_token_id True is not a token id"),
+    ],
+)
+def test_malformed_generation_config_is_refused_naming_the_file(tmp_path, trained, content, pattern):
+    directory = hf_dir(tmp_path / "hf", trained, None)
+    (directory / "generation_config.json").write_text(content)
+    with pytest.raises(ModelFileError, match=pattern):
+        TextTokenizer.from_hf_dir(directory)
+
+
+def test_artifact_without_eos_ids_reads_as_the_tokenizer_eos_alone(tmp_path, trained):
+    """Artifacts exported before eos_ids were kept have none in their tokenizer_config.json."""
+    source = TextTokenizer.from_hf_dir(hf_dir(tmp_path / "hf", trained, {"eos_token": "</s>"}))
+    out = tmp_path / "artifact"
+    out.mkdir()
+    for name, data in source.files().items():
+        (out / name).write_bytes(data)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    del config["eos_ids"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    assert TextTokenizer.from_artifact(out).stop_ids == (trained.token_to_id("</s>"),)
+    config["eos_ids"] = ["x"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=r"eos_ids \['x'\] is not a list of token ids; re-export with --from"):
+        TextTokenizer.from_artifact(out)
+
+
+def test_gguf_end_of_turn_ids_are_stop_ids(trained):
+    """llama.cpp ends generation on end-of-turn and end-of-message tokens too."""
+    eot, eom = trained.token_to_id("</s>"), trained.token_to_id("<s>")
+    fields = gguf_fields(trained, **{"tokenizer.ggml.eot_token_id": eot, "tokenizer.ggml.eom_token_id": eom})
+    tokenizer = TextTokenizer.from_gguf(fields)
+    assert tokenizer.stop_ids == (trained.token_to_id("<|im_end|>"), eot, eom)

@@ -31,16 +31,17 @@ def command(artifact_dir, prompt, chat, max_new_tokens, temperature, top_k, top_
     text = TextStream(tokenizer.decode)  # whole characters as they complete; flush() gives what is held back
 
     def stream(token: int) -> None:
+        if token in tokenizer.stop_ids:  # it ends the text without being part of it, as in `toolkit serve`
+            return
         if delta := text.push(token):
             click.echo(delta, nl=False)
 
-    stop = tuple(t for t in (tokenizer.eos_id,) if t is not None)
     result = generate(
         lm,
         prompt_ids,
         max_new_tokens=max_new_tokens,
         sampling=Sampling(temperature, top_k, top_p, seed),
-        stop_ids=stop,
+        stop_ids=tokenizer.stop_ids,  # the tokenizer's eos and generation_config.json's eos_token_id
         on_token=stream,
     )
     click.echo(text.flush())

@@ -109,7 +109,7 @@ class Server:
     def __init__(self, tokenizer: TextTokenizer, engine: BatchEngine, metrics: Metrics, model_id: str, max_tokens: int):
         self.tokenizer, self.engine, self.metrics = tokenizer, engine, metrics
         self.model_id, self.max_tokens = model_id, max_tokens
-        self.stop_ids = tuple(t for t in (tokenizer.eos_id,) if t is not None)
+        self.stop_ids = tokenizer.stop_ids  # the tokenizer's eos and generation_config.json's
         self.draining = False
 
     @asynccontextmanager
@@ -189,8 +189,8 @@ class Server:
     async def pieces(self, job: Job, stops: list[str]) -> AsyncIterator[Piece]:
         """The answer's text as the engine sends tokens; the last piece has the finish reason.
 
-        Stop strings apply to the decoded text and end the job; the eos token ends it without being
-        part of the text.
+        Stop strings apply to the decoded text and end the job; a stop id (the tokenizer's eos or one
+        of generation_config.json's) ends it without being part of the text.
         """
         text = TextStream(self.tokenizer.decode, stops)
         tokens = 0
