@@ -114,7 +114,8 @@ def generated(result):
 def test_export_writes_tokenizer_and_source(artifact_dir, checkpoint):
     manifest = json.loads((artifact_dir / "manifest.json").read_text())
     assert manifest["variant"] == "serving" and manifest["family"] == "llama"
-    assert manifest["source"] == {"format": "huggingface", "path": str(checkpoint[0]), "architecture": "llama"}
+    source = {k: manifest["source"].get(k) for k in ("format", "path", "architecture")}  # and the files' sha256
+    assert source == {"format": "huggingface", "path": str(checkpoint[0].resolve()), "architecture": "llama"}
     assert set(manifest["extra_files"]) == {"tokenizer.json", "tokenizer_config.json"}
     for name, digest in manifest["extra_files"].items():
         assert hashlib.sha256((artifact_dir / name).read_bytes()).hexdigest() == digest

@@ -59,10 +59,18 @@ class CheckReport:
     # golden files, localisation and plots; not serialised.
     arrays: dict = field(default_factory=dict, repr=False)
     dtype: str = "float32"  # the artifact's export dtype, which picks the tolerances
+    # --oracle transformers (toolkit.check.oracle): our float64 rebuild against the original checkpoint.
+    oracle: BackendResult | None = None
+    oracle_info: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return bool(self.backends) and all(b.passed for b in self.backends) and all(g.passed for g in self.golden)
+        return (
+            bool(self.backends)
+            and all(b.passed for b in self.backends)
+            and all(g.passed for g in self.golden)
+            and (self.oracle is None or self.oracle.passed)
+        )
 
     @property
     def first_divergence(self) -> dict | None:
@@ -121,6 +129,15 @@ class CheckReport:
                 "results": [{"backend": g.name, **o.to_dict()} for g in self.golden for o in g.comparison.outputs],
             },
             "localizations": [loc.to_dict() for loc in self.localizations],
+            "oracle": None
+            if self.oracle is None
+            else {
+                **self.oracle_info,
+                "device": self.oracle.device,
+                "passed": self.oracle.passed,
+                "first_divergence": self.oracle.first_divergence,
+                "results": [o.to_dict() for o in self.oracle.comparison.outputs],
+            },
             "platform": platform.platform(),
         }
 
@@ -178,6 +195,7 @@ def cross_check(
     tolerances: ToleranceConfig | None = None,
     decode_steps: int = 0,
     allow_cpu_fallback: bool = False,
+    models: EagerModels | None = None,
 ) -> CheckReport:
     """Run every backend on every graph and compare each stage with the float64 eager oracle.
 
@@ -191,10 +209,12 @@ def cross_check(
 
     GPU ONNX Runtime backends also get a placement audit (one profiled run): a compute node on the
     CPU fails the backend unless allow_cpu_fallback.
+
+    models: the artifact's eager models when the caller already built them (the oracle check reuses them).
     """
     refuse_uncheckable(artifact, backends, tolerances, decode_steps)
     inputs, source = prepare_inputs(artifact, inputs, batch, sequence, seed)
-    models = EagerModels.load(artifact)
+    models = models if models is not None else EagerModels.load(artifact)
     reference, eager32_outputs, feeds = oracle_outputs(artifact, models, inputs)
     stages = list(artifact.output_names)
     tokens = None
@@ -210,7 +230,7 @@ def cross_check(
         inputs={k: list(v.shape) for k, v in inputs.items()},
         input_source=source,
         calibration=calibration,
-        arrays={"inputs": inputs, "feeds": feeds, "reference": reference, "outputs": {}},
+        arrays={"inputs": inputs, "feeds": feeds, "reference": reference, "outputs": {}, "decode_tokens": tokens},
         dtype=artifact_dtype(artifact),
     )
     for name in backends:

@@ -15,14 +15,15 @@ from artifact.errors import BackendUnavailableError, ConfigError
 from artifact.write import write_text_atomically
 from exporters.lowerings import unsupported_backends
 from exporters.onnx_export import export_model
-from models.artifacts import open_artifact
+from models.artifacts import artifact_config, open_artifact
 from models.presets import get_preset
 from runners.compare import load_tolerances
 from runners.registry import DEFAULT_BACKENDS, artifact_dtype, dtype_unsupported
-from toolkit.check.crosscheck import CheckReport, cross_check
+from toolkit.check.crosscheck import CheckReport, EagerModels, cross_check
 from toolkit.check.golden import Golden, check_inputs_fit, compare_with_golden, load_golden, save_golden
 from toolkit.check.html_report import render_html
 from toolkit.check.localize import localize_report
+from toolkit.check.oracle import FAMILIES, ORACLES, import_transformers, mapped_stages, oracle_check, refuse_oracle
 from toolkit.check.reports import to_json, to_junit
 from toolkit.plotting import pyplot
 
@@ -47,6 +48,7 @@ class CheckRequest:
     localize: bool = False
     allow_cpu_fallback: bool = False
     html: bool = False  # an HTML report follows, so matplotlib must be importable before the check starts
+    oracle: str | None = None  # "transformers": also compare with the original checkpoint (toolkit.check.oracle)
 
 
 def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> CheckReport:
@@ -58,13 +60,26 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
     golden = requested_golden(request)
     if request.html:
         pyplot("--html")  # a missing matplotlib fails now, not after the check
+    if request.oracle is not None:
+        if request.oracle not in ORACLES:
+            raise ConfigError(f"--oracle {request.oracle!r}: unknown oracle; known: {', '.join(ORACLES)}")
+        import_transformers()  # a missing transformers fails now, not after an export
     with tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:
         artifact = open_or_export(request, Path(tmp), notify)
         names = choose_backends(artifact, request.backends, notify)
         if golden is not None:
             check_inputs_fit(golden, artifact)
         if tolerances is not None:
-            tolerances.check_patterns(list(artifact.output_names))
+            stages = list(artifact.output_names)
+            if request.oracle is not None and artifact.family in FAMILIES:  # the oracle compares hidden states too
+                stages += mapped_stages(artifact_config(artifact).layers)
+            tolerances.check_patterns(stages)
+        checkpoint = None
+        if request.oracle is not None:
+            feed = golden.inputs if golden is not None else request.inputs
+            checkpoint = refuse_oracle(artifact, feed, tolerances)  # moved or changed checkpoint: before the check
+        stored_original = golden is not None and golden.oracle is not None
+        models = EagerModels.load(artifact) if checkpoint is not None or stored_original else None
         report = cross_check(
             artifact,
             names,
@@ -75,10 +90,13 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
             decode_steps=request.decode_steps,
             tolerances=tolerances,
             allow_cpu_fallback=request.allow_cpu_fallback,
+            models=models,
         )
+        if checkpoint is not None:
+            oracle_check(report, artifact, models.float64, checkpoint, tolerances)
         if golden is not None:
             report.input_source = f"golden inputs from {request.golden_dir}"
-            compare_with_golden(report, golden, artifact, tolerances)
+            compare_with_golden(report, golden, artifact, tolerances, models.float64 if models else None)
         if request.localize:
             report.localizations = localize_report(report, artifact)
         if request.save_golden_dir:

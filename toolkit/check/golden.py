@@ -10,6 +10,9 @@ request). A golden directory freezes one known-good check:
     inputs.npz          the check's inputs (reused by `--golden`, so both runs see identical feeds)
     reference.npz       the float64 oracle's output for every stage
     backend.NAME.npz    each backend's outputs (kept for inspection and plots)
+    oracle.transformers.npz   with --oracle: the original checkpoint's outputs (transformers, float32) under our
+                        stage names, so a later `--golden` check, even where transformers is not installed, still
+                        holds the artifact's float64 rebuild to the original
 
 `--golden DIR` compares today's oracle with the stored one (float64 tolerances: only a real change
 of the computation moves a float64 result) and every backend with the stored oracle (the usual
@@ -41,6 +44,7 @@ INDEX_FILE = "golden.json"
 FORMAT = "onnx-toolkit-golden"
 FORMAT_VERSION = 1
 ORACLE = "eager-f64"
+ORIGINAL_GROUP = "oracle.transformers"  # the original checkpoint's outputs (toolkit.check.oracle)
 
 
 class GoldenError(ModelFileError):
@@ -54,6 +58,7 @@ class Golden:
     inputs: dict[str, np.ndarray]
     reference: dict[str, np.ndarray]
     backends: dict[str, dict[str, np.ndarray]]
+    oracle: dict[str, np.ndarray] | None = None  # the original's outputs, when the saving check ran --oracle
 
     @property
     def stages(self) -> list[str]:
@@ -100,7 +105,9 @@ def save_golden(report, artifact, directory: str | os.PathLike) -> Path:
     """Store `report`'s inputs, oracle outputs and backend outputs in `directory`, atomically."""
     directory = Path(directory)
     _refuse_to_replace(directory)
-    if not (report.backends and all(b.passed for b in report.backends)):
+    if not (report.backends and all(b.passed for b in report.backends)) or (
+        report.oracle is not None and not report.oracle.passed
+    ):
         raise GoldenError(
             "the check failed, so its outputs are not golden; fix the divergence first "
             "(golden outputs are saved only from a passing check)"
@@ -126,6 +133,8 @@ def golden_files(report, artifact) -> dict[str, bytes]:
     groups = {"inputs": arrays["inputs"], "reference": {s: arrays["reference"][s] for s in report.stages}}
     for name, outputs in arrays["outputs"].items():
         groups[f"backend.{name}"] = {s: outputs[s] for s in report.stages if s in outputs}
+    if report.oracle is not None:
+        groups[ORIGINAL_GROUP] = dict(arrays["oracle"]["original"])
     files, entries = {}, {}
     for group, values in groups.items():
         data = _npz_bytes(values)
@@ -154,6 +163,12 @@ def golden_files(report, artifact) -> dict[str, bytes]:
         "backends": [b.name for b in report.backends],
         "groups": entries,
     }
+    if report.oracle is not None:
+        source = artifact.manifest.source or {}
+        index["oracle"] = {
+            **{k: v for k, v in report.oracle_info.items() if k != "first_position"},
+            "checkpoint_sha256": dict(source.get("sha256") or {}),
+        }
     files[INDEX_FILE] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
     return files
 
@@ -239,7 +254,10 @@ def load_golden(directory: str | os.PathLike) -> Golden:
     if missing:
         raise GoldenError(f"{index_path}: stages {missing} have no stored reference output")
     backends = {g.removeprefix("backend."): a for g, a in loaded.items() if g.startswith("backend.")}
-    return Golden(directory, index, loaded["inputs"], loaded["reference"], backends)
+    oracle = loaded.get(ORIGINAL_GROUP)
+    if oracle is not None and "input_ids" not in loaded["inputs"]:
+        raise GoldenError(f"{index_path}: stores the original's outputs but no input_ids to feed them")
+    return Golden(directory, index, loaded["inputs"], loaded["reference"], backends, oracle)
 
 
 def check_inputs_fit(golden: Golden, artifact) -> None:
@@ -269,8 +287,12 @@ def check_inputs_fit(golden: Golden, artifact) -> None:
         )
 
 
-def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceConfig | None = None) -> None:
-    """Add to `report` today's oracle and every backend compared with the stored oracle outputs."""
+def compare_with_golden(
+    report, golden: Golden, artifact, tolerances: ToleranceConfig | None = None, model64=None
+) -> None:
+    """Add to `report` today's oracle and every backend compared with the stored oracle outputs, and, when the
+    golden directory holds the original's outputs, today's float64 rebuild (`model64`, built from the artifact if
+    not given) compared with them at the oracle's tolerance."""
     from toolkit.check.crosscheck import BackendResult
 
     stages = golden.stages
@@ -287,6 +309,8 @@ def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceC
             order=stages,
         )
         report.golden.append(BackendResult(backend.name, backend.device, comparison, backend.seconds))
+    if golden.oracle is not None:
+        report.golden.append(_compare_with_stored_original(report, golden, artifact, tolerances, model64))
     then = golden.index["artifact"].get("graph_sha256") or {}
     now = _graph_hashes(artifact)
     report.golden_info = {
@@ -297,3 +321,31 @@ def compare_with_golden(report, golden: Golden, artifact, tolerances: ToleranceC
         "graphs_changed": sorted(name for name in set(then) | set(now) if then.get(name) != now.get(name)),
         "new_stages": [s for s in report.stages if s not in stages],
     }
+
+
+def _compare_with_stored_original(report, golden: Golden, artifact, tolerances, model64):
+    """Today's float64 rebuild of the artifact against the original's stored outputs (no transformers needed)."""
+    import torch
+
+    from runners.eager import model_from_artifact
+    from toolkit.check.crosscheck import BackendResult
+    from toolkit.check.oracle import check_input_ids, our_stages
+
+    if model64 is None:
+        model64 = model_from_artifact(artifact).to(torch.float64)
+    stages = [s for s in (golden.index.get("oracle") or {}).get("stages", golden.oracle) if s in golden.oracle]
+    prompt = [s for s in stages if not s.startswith("decode.")]
+    ours, calibration = our_stages(model64, check_input_ids(golden.inputs["input_ids"]), prompt)
+    for stage in stages:
+        if stage.startswith("decode.") and stage in report.arrays["reference"]:  # today's check decoded too
+            ours[stage] = report.arrays["reference"][stage]
+            calibration[stage] = report.calibration.get(stage, 0.0)
+    comparison = compare(
+        golden.oracle, ours, dtype=report.dtype, tolerances=tolerances, calibration=calibration, order=stages
+    )
+    info = golden.index.get("oracle") or {}
+    where = f"the original ({info.get('architecture', 'transformers')}) as stored vs today's eager-f64"
+    return BackendResult(ORIGINAL_NAME, where, comparison, 0.0)
+
+
+ORIGINAL_NAME = "original"

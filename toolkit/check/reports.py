@@ -7,6 +7,8 @@ import xml.etree.ElementTree as ET
 
 from runners.ort import placement_line
 from toolkit.check.crosscheck import CheckReport
+from toolkit.check.golden import ORIGINAL_NAME
+from toolkit.check.oracle import layer_of
 
 
 def _shape(shape) -> str:
@@ -52,6 +54,7 @@ def text_table(report: CheckReport) -> str:
             pass
         lines.append(f"{backend.name:<16} {verdict} on {backend.device}, {backend.seconds * 1e3:.1f} ms{extra}")
     lines.extend(golden_lines(report))
+    lines.extend(oracle_lines(report))
     for localization in report.localizations:
         lines.append(localization.describe())
     divergence = report.first_divergence
@@ -60,7 +63,10 @@ def text_table(report: CheckReport) -> str:
             f"first divergence: {divergence['backend']} at stage {divergence['stage']} "
             f"(#{divergence['index']} in computation order): {divergence['reason']}"
         )
-    lines.append("RESULT: " + ("PASS, every backend matches the reference" if report.passed else "FAIL"))
+    matches = "every backend matches the reference" + (
+        " and the reference matches the original" if report.oracle else ""
+    )
+    lines.append("RESULT: " + (f"PASS, {matches}" if report.passed else "FAIL"))
     return "\n".join(lines)
 
 
@@ -90,7 +96,13 @@ def golden_lines(report: CheckReport) -> list[str]:
     ]
     for result in report.golden:
         failure = result.comparison.first_failure
-        if failure is None:
+        if result.name == ORIGINAL_NAME:
+            verdict = (
+                "matches the stored original"
+                if failure is None
+                else f"LEAVES the stored original at stage {failure.name} ({layer_of(failure.name)}): {failure.reason}"
+            )
+        elif failure is None:
             verdict = "matches golden"
         else:
             verdict = (
@@ -104,6 +116,45 @@ def golden_lines(report: CheckReport) -> list[str]:
     return lines
 
 
+def oracle_lines(report: CheckReport) -> list[str]:
+    """--oracle: one row per compared stage (our float64 rebuild against the original), then the verdict naming the
+    first layer that left tolerance."""
+    oracle = report.oracle
+    if oracle is None:
+        return []
+    info = report.oracle_info
+    outputs = oracle.comparison.outputs
+    width = max(len("stage"), *(len(o.name) for o in outputs))
+    header = f"{'stage':<{width}}  {'shape':<12} {'allowed':>9}  {'max abs':>9}  verdict"
+    lines = [
+        "",
+        f"oracle: {info.get('architecture')} from {info.get('checkpoint')} (sha256 verified) with transformers "
+        f"{info.get('transformers')}, float32; cells: eager-f64 rebuilt from the artifact vs the original",
+        header,
+        "-" * len(header),
+    ]
+    for output in outputs:
+        verdict = "ok" if output.passed else f"FAIL{': ' + output.reason if output.reason else ''}"
+        position = info.get("first_position", {}).get(output.name)
+        if position is not None:
+            verdict += f", from position {position}"
+        if output.argmax_agreement is not None:
+            verdict += f" (arg-max agreement {output.argmax_agreement:.0%})"
+        lines.append(
+            f"{output.name:<{width}}  {_shape(output.reference_shape):<12} {_err(output.allowed):>9}  "
+            f"{_err(output.max_abs):>9}  {verdict}"
+        )
+    failure = oracle.comparison.first_failure
+    if failure is None:
+        lines.append(f"oracle transformers: PASS, every stage matches the original ({oracle.seconds * 1e3:.0f} ms)")
+    else:
+        lines.append(
+            f"oracle transformers: FAIL, first stage out of tolerance: {failure.name} ({layer_of(failure.name)}): "
+            f"{failure.reason}"
+        )
+    return lines
+
+
 def to_json(report: CheckReport) -> str:
     return json.dumps(report.to_dict(), indent=2)
 
@@ -112,6 +163,8 @@ def to_junit(report: CheckReport) -> str:
     """One test case per backend x stage; failures carry the numbers."""
     cases = [("check", b, o) for b in report.backends for o in b.comparison.outputs]
     cases += [("golden", b, o) for b in report.golden for o in b.comparison.outputs]
+    if report.oracle is not None:
+        cases += [("oracle", report.oracle, o) for o in report.oracle.comparison.outputs]
     failures = sum(1 for _, _, o in cases if not o.passed)
     suite = ET.Element("testsuite", name="toolkit check", tests=str(len(cases)), failures=str(failures), errors="0")
     for kind, backend, output in cases:
@@ -119,7 +172,10 @@ def to_junit(report: CheckReport) -> str:
             suite, "testcase", classname=f"{kind}.{backend.name}", name=output.name, time=f"{backend.seconds:.6f}"
         )
         if not output.passed:
-            against = "the stored golden outputs" if kind == "golden" else "the float64 oracle"
+            against = {
+                "golden": "the stored golden outputs",
+                "oracle": "the original checkpoint (transformers)",
+            }.get(kind, "the float64 oracle")
             numbers = (
                 f"max_abs={_err(output.max_abs)} allowed={_err(output.allowed)} "
                 f"mean_abs={_err(output.mean_abs)} max_rel={_err(output.max_rel)}"

@@ -6,6 +6,7 @@ import click
 
 from runners.registry import DEFAULT_BACKENDS, check_backend
 from toolkit.check.driver import CheckRequest, run_check, write_reports
+from toolkit.check.oracle import ORACLES
 from toolkit.check.reports import placement_lines, text_table
 from toolkit.commands.common import load_npz, split_backends
 
@@ -61,6 +62,13 @@ from toolkit.commands.common import load_npz, split_backends
     is_flag=True,
     help="GPU ONNX Runtime backends: accept compute nodes that ONNX Runtime placed on the CPU.",
 )
+@click.option(
+    "--oracle",
+    type=click.Choice(ORACLES),
+    help="Also compare with the original model: artifacts imported from a Hugging Face directory are held to "
+    "transformers loaded from the recorded checkpoint (hashes checked): embeddings, every layer's residual stream, "
+    "final norm, logits and decode steps. Needs transformers: pip install '.[oracle]'.",
+)
 def command(
     artifact_dir,
     preset,
@@ -78,6 +86,7 @@ def command(
     localize,
     tolerances_file,
     allow_cpu_fallback,
+    oracle,
 ):
     """Compare every backend with the float64 eager oracle; exit 0 only if all match.
 
@@ -102,6 +111,7 @@ def command(
         localize=localize,
         allow_cpu_fallback=allow_cpu_fallback,
         html=bool(html_file),
+        oracle=oracle,
     )
     report = run_check(request, notify=click.echo)
     click.echo(text_table(report))

@@ -10,6 +10,7 @@ from artifact.errors import ConfigError
 from exporters.lowerings import DEFAULT_LOWERING, LOWERINGS
 from exporters.onnx_export import VARIANTS, export_model
 from models.presets import get_preset, load_config_file
+from toolkit.check.oracle import import_transformers, recorded_source, verified_export, why_not_verify
 
 
 def resolve_model(preset: str | None, config: str | None):
@@ -66,8 +67,25 @@ def resolve_model(preset: str | None, config: str | None):
     show_default=True,
     help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32.",
 )
+@click.option(
+    "--verify/--no-verify",
+    default=None,
+    help="--from a Hugging Face directory: hold the export's logits on a few tokens to the original loaded with "
+    "transformers, and fail (writing nothing) when they disagree. Default: on when transformers is installed and "
+    "the original fits in memory beside the export.",
+)
 def command(
-    preset, config_file, checkpoint, variant, out_dir, triton_repo, triton_device, triton_instances, dtype, lowering
+    preset,
+    config_file,
+    checkpoint,
+    variant,
+    out_dir,
+    triton_repo,
+    triton_device,
+    triton_instances,
+    dtype,
+    lowering,
+    verify,
 ):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
     if checkpoint:
@@ -77,19 +95,39 @@ def command(
 
         imported = import_checkpoint(checkpoint)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
-        artifact = export_model(
-            imported.model,
-            imported.family,
-            imported.config,
-            out_dir,
-            variant=variant or "serving",
-            source=imported.source,
-            extra_files=extra,
-            lowering=lowering,
-            dtype=dtype,
-        )
+        source = recorded_source(imported.source, checkpoint)
+        if verify and source.get("format") != "huggingface":
+            raise ConfigError(
+                f"--verify loads the original with transformers, which reads Hugging Face directories, not "
+                f"{source.get('format')} checkpoints; drop --verify"
+            )
+        skip = None
+        if verify is None:
+            skip = why_not_verify(source, sum(p.numel() for p in imported.model.parameters()))
+        elif verify:
+            import_transformers()  # --verify without transformers: say how to get it, before the export
+
+        def write(target):
+            return export_model(
+                imported.model,
+                imported.family,
+                imported.config,
+                target,
+                variant=variant or "serving",
+                source=source,
+                extra_files=extra,
+                lowering=lowering,
+                dtype=dtype,
+            )
+
+        if verify is False or skip is not None:
+            artifact = write(out_dir)
+        else:
+            artifact, verified = verified_export(write, out_dir, Path(source["path"]))
         label = f"{checkpoint} ({imported.source['format']} {imported.source['architecture']})"
     else:
+        if verify:
+            raise ConfigError("--verify checks a --from import against the original checkpoint; drop it")
         spec, name = resolve_model(preset, config_file)
         artifact = export_model(
             spec.build(),
@@ -114,6 +152,12 @@ def command(
         click.echo(
             f"  {graph.model_path.name}: {len(graph.output_names)} outputs, custom ops "
             f"{', '.join(graph.entry.custom_ops) or 'none'}, sha256 {graph.entry.sha256[:12]}"
+        )
+    if checkpoint and verify is not False:
+        click.echo(
+            f"  verified against the original: {verified}"
+            if skip is None
+            else f"  not verified against the original: {skip}"
         )
     if triton_repo:
         from exporters.triton import write_triton_repo
