@@ -253,6 +253,23 @@ def parse_manifest(manifest, where, needs_hash: bool = True) -> Manifest:
     if not isinstance(manifest["graphs"], list) or not manifest["graphs"]:
         raise ModelFileError(f"{where}: manifest 'graphs' must be a non-empty list; re-run `toolkit export`")
     graphs = tuple(_parse_graph(entry, where, needs_hash) for entry in manifest["graphs"])
+    _check_optional(
+        manifest,
+        where,
+        "manifest",
+        {
+            "quantization": dict,
+            "custom_domains": dict,
+            "source": dict,
+            "versions": dict,
+            "lowering": str,
+            "preset": str,
+        },
+    )
+    if manifest.get("dtype") is not None and manifest["dtype"] not in SPEC_DTYPES:
+        raise ModelFileError(
+            f"{where}: manifest 'dtype' {manifest['dtype']!r:.40} is not one of {', '.join(SPEC_DTYPES)}"
+        )
     return Manifest(
         family=manifest["family"],
         variant=manifest["variant"],
@@ -296,10 +313,19 @@ def _parse_graph(entry, where, needs_hash: bool) -> GraphEntry:
         raise ModelFileError(f"{where}: graph {name!r} 'inputs' must be a list of input specs")
     for spec in inputs:
         _check_input_spec(spec, f"{where}: graph {name!r}")
+    for spec in outputs:
+        _check_output_spec(spec, f"{where}: graph {name!r}")
+    _check_optional(entry, where, f"graph {name!r}", {"attention_op": str, "kv_cache": str})
+    for key in ("stages", "custom_ops"):
+        if entry.get(key) is not None and not (
+            isinstance(entry[key], list) and all(isinstance(v, str) for v in entry[key])
+        ):
+            raise ModelFileError(f"{where}: graph {name!r} {key!r} must be a list of names, got {entry[key]!r:.80}")
     weights = {}
     for weight, place in entry["weights"].items():
         if not isinstance(place, dict):
             raise ModelFileError(f"{where}: graph {name!r} weight {weight!r:.80} must map to an object")
+        _check_weight_place(place, f"{where}: graph {name!r} weight {weight!r:.80}")
         weights[weight] = WeightPlace.of(place)
     return GraphEntry(
         name=name,
@@ -324,9 +350,47 @@ def _check_input_spec(spec, where: str) -> None:
             f"{where}: input {spec['name']!r} dtype {spec.get('dtype')!r:.40} is not one of {', '.join(SPEC_DTYPES)}"
         )
     shape = spec.get("shape")
-    if not isinstance(shape, list) or not all(
-        (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d) for d in shape
-    ):
+    if not _is_shape(shape):
         raise ModelFileError(
             f"{where}: input {spec['name']!r} shape must be a list of sizes and axis names, got {shape!r:.80}"
         )
+
+
+def _check_optional(fields: dict, where, owner: str, kinds: dict) -> None:
+    """Optional fields are absent, null or of their kind."""
+    for key, kind in kinds.items():
+        value = fields.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise ModelFileError(f"{where}: {owner} {key!r} must be a {kind.__name__} or absent, got {value!r:.80}")
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and all(
+        (isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d) for d in shape
+    )
+
+
+def _check_output_spec(spec: dict, where: str) -> None:
+    """An output names itself; its dtype (default float32) and shape, when given, are what an input's may be."""
+    if spec.get("dtype") is not None and spec["dtype"] not in SPEC_DTYPES:
+        raise ModelFileError(
+            f"{where}: output {spec['name']!r} dtype {spec['dtype']!r:.40} is not one of {', '.join(SPEC_DTYPES)}"
+        )
+    if spec.get("shape") is not None and not _is_shape(spec["shape"]):
+        raise ModelFileError(
+            f"{where}: output {spec['name']!r} shape must be a list of sizes and axis names, got {spec['shape']!r:.80}"
+        )
+
+
+def _check_weight_place(place: dict, where: str) -> None:
+    if not isinstance(place.get("initializer"), str):
+        raise ModelFileError(f"{where}: 'initializer' must be a name, got {place.get('initializer')!r:.80}")
+    piece = place.get("slice")
+    if piece is not None and not (
+        isinstance(piece, list)
+        and len(piece) == 3
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in piece)
+    ):
+        raise ModelFileError(f"{where}: 'slice' must be [axis, start, stop], got {piece!r:.80}")
+    if place.get("quantized") is not None and not isinstance(place["quantized"], dict):
+        raise ModelFileError(f"{where}: 'quantized' must be an object, got {place['quantized']!r:.80}")

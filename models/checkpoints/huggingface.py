@@ -294,7 +294,7 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "
 
 def _gpt2_config(hf: dict, where: Path) -> GPTConfig:
     act = hf.get("activation_function", "gelu_new")
-    if act not in GPT2_ACTIVATIONS:
+    if not isinstance(act, str) or act not in GPT2_ACTIVATIONS:
         raise refusal(where, "activation_function", act, "gpt2", ", ".join(GPT2_ACTIVATIONS))
     width = _get(hf, "n_embd", where)
     try:

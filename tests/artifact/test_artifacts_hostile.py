@@ -360,6 +360,20 @@ MANIFESTS = {
     "unknown family": (lambda m: m.update(family="mamba"), r"config is invalid.*unknown model family 'mamba'"),
     "config field unknown": (lambda m: m["config"].update(depth=3), r"config is invalid.*unknown field 'depth'"),
     "format_version true": (lambda m: m.update(format_version=True), r"format_version True is not supported"),
+    "stages not a list": (lambda m: m["graphs"][0].update(stages=3), r"'stages' must be a list of names, got 3"),
+    "slice not a triple": (
+        lambda m: next(iter(m["graphs"][0]["weights"].values())).update(slice=5),
+        r"'slice' must be \[axis, start, stop\], got 5",
+    ),
+    "output shape not a list": (
+        lambda m: m["graphs"][0]["outputs"][0].update(shape=5),
+        r"output .* shape must be a list of sizes and axis names, got 5",
+    ),
+    "quantization not an object": (
+        lambda m: m.update(quantization="int4"),
+        r"manifest 'quantization' must be a dict or absent, got 'int4'",
+    ),
+    "dtype unknown": (lambda m: m.update(dtype="complex64"), r"manifest 'dtype' 'complex64' is not one of"),
 }
 
 

@@ -352,6 +352,13 @@ def test_unsupported_gpt2_activation(tmp_path):
         import_checkpoint(directory)
 
 
+def test_gpt2_activation_of_the_wrong_type_is_refused_in_one_line(tmp_path):
+    directory = save(hf_gpt2(seed=2), tmp_path / "hf")
+    edit_config(directory, lambda c: c.update(activation_function=["gelu"]))
+    with pytest.raises(ModelFileError, match=r'activation_function=\["gelu"\] is not supported by the gpt2 import'):
+        import_checkpoint(directory)
+
+
 def test_truncated_safetensors_file(tmp_path, base_llama):
     directory = write_hf(tmp_path / "hf", *base_llama)
     path = directory / "model.safetensors"

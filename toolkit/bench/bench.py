@@ -211,7 +211,7 @@ def _measure_isolated(artifact_dir: str, backend: str, batch: int, settings: Ben
     job = {"artifact": str(artifact_dir), "backend": backend, "batch": batch, "settings": settings.__dict__}
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
     )
     done = subprocess.run(
         [sys.executable, "-m", "toolkit.bench.bench", json.dumps(job)], capture_output=True, text=True, env=env

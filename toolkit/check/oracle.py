@@ -464,7 +464,8 @@ def verified_export(write, out_dir: str, checkpoint: Path):
     check_output_dir(out)
     parent = out.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.verify-", dir=parent))
+    # Named like write_artifact's temporary directories, so the next write to `out` clears it after a kill.
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-verify-", dir=parent))
     try:
         staged = write(staging)
         result, info = verify_export(staged, checkpoint)
