@@ -57,10 +57,9 @@ class Runner:
         """One step of a KV-cache graph: `feed` holds the new tokens' inputs (input_ids, position_ids,
         past_mask), `cache` the history; returns the logits and keeps the present.* outputs in `cache`.
         The caller advances cache.length."""
-        if not cache.values:
-            cache.values = cache.empty(feed["input_ids"].shape[0])
+        past = cache.values or cache.empty(feed["input_ids"].shape[0])  # kept only once a step succeeds
         trusted = tuple(cache.names) if cache.length else ()  # our own cache from the last step
-        outputs = self.run({**feed, **cache.values}, trusted=trusted)
+        outputs = self.run({**feed, **past}, trusted=trusted)
         cache.values = {name: outputs[present_name(name)] for name in cache.names}
         return outputs["logits"]
 
