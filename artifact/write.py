@@ -156,6 +156,23 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def write_staged(target: Path, fill):
+    """Run fill(staging) on an empty sibling directory of `target`, then swap it in for `target`; return what
+    fill returned. A fill that raises leaves `target` as it was. The staging directory is named like
+    write_artifact's temporary directories, so the next write to `target` clears one a kill left behind."""
+    target = Path(target)
+    parent = target.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-staged-", dir=parent))
+    try:
+        result = fill(staging)
+        swap_in(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
 def swap_in(tmp: Path, target: Path) -> None:
     """Replace `target` with the finished directory `tmp` (same parent); on failure `target` is restored.
 

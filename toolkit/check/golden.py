@@ -26,16 +26,15 @@ import io
 import json
 import os
 import platform
-import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from artifact import sha256_bytes, sha256_file, swap_in, write_artifact
+from artifact import sha256_bytes, sha256_file, write_artifact
 from artifact.errors import InputError, ModelFileError
+from artifact.write import write_staged
 from models.artifacts import artifact_config
 from runners.base import check_feed
 from runners.compare import ToleranceConfig, compare
@@ -180,15 +179,8 @@ def _write_atomically(directory: Path, files: dict[str, bytes]) -> None:
     write_artifact replaces only an artifact directory (one holding manifest.json), which a golden
     directory is not; so it fills an empty staging directory and the swap into place is done here.
     """
-    parent = directory.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
-    try:
-        write_artifact(staging, files, verify=load_golden)  # what we wrote must read back before it counts
-        swap_in(staging, directory)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    # what we wrote must read back before it counts
+    write_staged(directory, lambda staging: write_artifact(staging, files, verify=load_golden))
 
 
 def load_golden(directory: str | os.PathLike) -> Golden:

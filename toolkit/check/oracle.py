@@ -28,8 +28,6 @@ import copy
 import inspect
 import os
 import re
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +44,7 @@ from artifact.errors import (
     InputError,
     ModelFileError,
 )
-from artifact.write import check_output_dir, swap_in
+from artifact.write import check_output_dir, write_staged
 from models.artifacts import artifact_config, open_artifact
 from runners.compare import Comparison, ToleranceConfig, compare
 from runners.eager import model_from_artifact
@@ -462,17 +460,11 @@ def verified_export(write, out_dir: str, checkpoint: Path):
     in for `out_dir`: a disagreement leaves the previous artifact at `out_dir` as it was."""
     out = Path(out_dir)
     check_output_dir(out)
-    parent = out.resolve().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    # Named like write_artifact's temporary directories, so the next write to `out` clears it after a kill.
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-verify-", dir=parent))
-    try:
-        staged = write(staging)
-        result, info = verify_export(staged, checkpoint)
-        swap_in(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+
+    def fill(staging: Path):
+        return verify_export(write(staging), checkpoint)
+
+    result, info = write_staged(out, fill)
     summary = (
         f"{info['architecture']} with transformers {info['transformers']}, logits max abs {result.max_abs:.2e} <= "
         f"allowed {result.allowed:.2e} on {result.reference_shape[1]} tokens"

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-import toolkit.check.golden as golden
+import artifact.write as artifact_write
 from artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
 from models.artifacts import open_artifact
 from toolkit.check.crosscheck import cross_check
@@ -136,7 +136,7 @@ def test_interrupted_save_leaves_the_previous_golden_intact(saved, tmp_path, mon
     def killed(tmp, target):
         raise KeyboardInterrupt("killed mid-swap")
 
-    monkeypatch.setattr(golden, "swap_in", killed)
+    monkeypatch.setattr(artifact_write, "swap_in", killed)
     with pytest.raises(KeyboardInterrupt):
         save_golden(report, artifact, copy)
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
