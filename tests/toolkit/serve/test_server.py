@@ -579,7 +579,9 @@ def sigterm_run(servers, lm):
             assert r.status_code == 200
             alone.append(r.json()["choices"][0]["text"])
     assert term.wait_idle()["active"] == 0
-    opened = threading.Barrier(len(payloads) + 1, timeout=30)
+    # The barrier outlasts the wait for the engine below, so a first stream that finishes before the poll sees
+    # it decoding cannot break the barrier.
+    opened = threading.Barrier(len(payloads) + 1, timeout=60)
 
     def stream(payload):
         with httpx.Client(timeout=60) as http, http.stream("POST", term.url + "/v1/completions", json=payload) as r:
@@ -590,7 +592,7 @@ def sigterm_run(servers, lm):
         # The queue holds one request: the second stream goes in only once the engine has taken the
         # first out of the queue, or it is refused with 429 (a race seen once in CI).
         futures = [pool.submit(stream, payloads[0])]
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 10
         while term.health()["active"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         futures.append(pool.submit(stream, payloads[1]))
