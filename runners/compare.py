@@ -211,9 +211,15 @@ class OutputComparison:
     passed: bool
     reason: str = ""
     argmax_agreement: float | None = None
+    # What `allowed` bounds: the max abs error (every backend), or another measure an oracle uses instead (the
+    # llama.cpp oracle bounds the relative RMS error, "rel_rms", whose value is `value`).
+    metric: str = "max_abs"
+    value: float | None = None
 
     def to_dict(self) -> dict:
+        measure = {} if self.metric == "max_abs" else {"metric": self.metric, "value": _finite_or_none(self.value)}
         return {
+            **measure,
             "stage": self.name,
             "shape": list(self.reference_shape),
             "actual_shape": None if self.actual_shape is None else list(self.actual_shape),

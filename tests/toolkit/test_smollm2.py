@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from models.artifacts import open_artifact
 from models.checkpoints import import_checkpoint
 from runners.decoding.generate import CachedLM, generate
 from runners.registry import create_runner
-from tests.optional import SMOLLM2, missing
+from tests.optional import LLAMACPP, SMOLLM2, import_or_skip, missing
 from toolkit.check.crosscheck import cross_check
 from toolkit.cli import main
 
@@ -193,3 +194,19 @@ def test_cross_check_with_decode_steps(artifact):
     assert report.passed, report.first_divergence
     assert report.stages[0] == "logits" and report.stages[-2:] == ["decode.0.logits", "decode.1.logits"]
     assert [b.name for b in report.backends] == ["eager", "ort-cpu"]
+
+
+def test_llama_cpp_oracle_holds_the_import_to_llama_cpp(artifact, tmp_path):
+    """llama.cpp on the GGUF itself: its Q4_1 kernels round activations to 8-bit blocks, and over 30 layers the
+    logits stay within the quantized bound (measured about 2e-2 relative RMS against 5e-2 allowed)."""
+    import_or_skip("llama_cpp", "the llama.cpp oracle is the [llamacpp] extra", LLAMACPP)
+    report = tmp_path / "report.json"
+    args = ["check", str(artifact.location), "--backends", "eager", "--oracle", "llama.cpp", "--seq-len", "12"]
+    result = CliRunner().invoke(main, [*args, "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    oracle = json.loads(report.read_text())["oracle"]
+    assert oracle["passed"] and oracle["precision"] == "quantized" and oracle["decode_steps"] == 8
+    for row in oracle["results"]:
+        assert 1e-3 < row["value"] < row["allowed"] / 1.5, row
+    assert oracle["greedy_agreement"] >= 0.75
+    assert "oracle llama.cpp: PASS" in result.output

@@ -22,6 +22,8 @@ from runners.registry import DEFAULT_BACKENDS, artifact_dtype, dtype_unsupported
 from toolkit.check.crosscheck import CheckReport, EagerModels, cross_check
 from toolkit.check.golden import Golden, check_inputs_fit, compare_with_golden, load_golden, save_golden
 from toolkit.check.html_report import render_html
+from toolkit.check.llamacpp import DEFAULT_DECODE_STEPS, import_llama_cpp, llama_cpp_check, refuse_llama_cpp
+from toolkit.check.llamacpp import NAME as LLAMA_CPP
 from toolkit.check.localize import localize_report
 from toolkit.check.oracle import FAMILIES, ORACLES, import_transformers, mapped_stages, oracle_check, refuse_oracle
 from toolkit.check.reports import to_json, to_junit
@@ -48,7 +50,8 @@ class CheckRequest:
     localize: bool = False
     allow_cpu_fallback: bool = False
     html: bool = False  # an HTML report follows, so matplotlib must be importable before the check starts
-    oracle: str | None = None  # "transformers": also compare with the original checkpoint (toolkit.check.oracle)
+    # "transformers" or "llama.cpp": also compare with the original checkpoint (toolkit.check.oracle, .llamacpp)
+    oracle: str | None = None
 
 
 def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> CheckReport:
@@ -63,7 +66,11 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
     if request.oracle is not None:
         if request.oracle not in ORACLES:
             raise ConfigError(f"--oracle {request.oracle!r}: unknown oracle; known: {', '.join(ORACLES)}")
-        import_transformers()  # a missing transformers fails now, not after an export
+        # A missing transformers or llama-cpp-python fails now, not after an export.
+        if request.oracle == LLAMA_CPP:
+            import_llama_cpp()
+        else:
+            import_transformers()
     with tempfile.TemporaryDirectory(prefix="toolkit-check-") as tmp:
         artifact = open_or_export(request, Path(tmp), notify)
         names = choose_backends(artifact, request.backends, notify)
@@ -71,13 +78,17 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
             check_inputs_fit(golden, artifact)
         if tolerances is not None:
             stages = list(artifact.output_names)
-            if request.oracle is not None and artifact.family in FAMILIES:  # the oracle compares hidden states too
+            if request.oracle == "transformers" and artifact.family in FAMILIES:  # it compares hidden states too
                 stages += mapped_stages(artifact_config(artifact).layers)
             tolerances.check_patterns(stages)
         checkpoint = None
-        if request.oracle is not None:
-            feed = golden.inputs if golden is not None else request.inputs
-            checkpoint = refuse_oracle(artifact, feed, tolerances)  # moved or changed checkpoint: before the check
+        feed = golden.inputs if golden is not None else request.inputs
+        oracle_steps = request.decode_steps or DEFAULT_DECODE_STEPS  # llama.cpp's greedy steps
+        # A moved or changed checkpoint fails before the check runs.
+        if request.oracle == "transformers":
+            checkpoint = refuse_oracle(artifact, feed, tolerances)
+        elif request.oracle == LLAMA_CPP:
+            checkpoint = refuse_llama_cpp(artifact, feed, oracle_steps)
         stored_original = golden is not None and golden.oracle is not None
         models = EagerModels.load(artifact) if checkpoint is not None or stored_original else None
         report = cross_check(
@@ -92,8 +103,10 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
             allow_cpu_fallback=request.allow_cpu_fallback,
             models=models,
         )
-        if checkpoint is not None:
+        if request.oracle == "transformers":
             oracle_check(report, artifact, models.float64, checkpoint, tolerances)
+        elif request.oracle == LLAMA_CPP:
+            llama_cpp_check(report, artifact, models.float64, checkpoint, oracle_steps)
         if golden is not None:
             report.input_source = f"golden inputs from {request.golden_dir}"
             compare_with_golden(report, golden, artifact, tolerances, models.float64 if models else None)

@@ -43,7 +43,8 @@ INDEX_FILE = "golden.json"
 FORMAT = "onnx-toolkit-golden"
 FORMAT_VERSION = 1
 ORACLE = "eager-f64"
-ORIGINAL_GROUP = "oracle.transformers"  # the original checkpoint's outputs (toolkit.check.oracle)
+# The original checkpoint's outputs, by oracle (toolkit.check.oracle, toolkit.check.llamacpp).
+ORIGINAL_GROUPS = {"transformers": "oracle.transformers", "llama.cpp": "oracle.llama_cpp"}
 
 
 class GoldenError(ModelFileError):
@@ -133,7 +134,7 @@ def golden_files(report, artifact) -> dict[str, bytes]:
     for name, outputs in arrays["outputs"].items():
         groups[f"backend.{name}"] = {s: outputs[s] for s in report.stages if s in outputs}
     if report.oracle is not None:
-        groups[ORIGINAL_GROUP] = dict(arrays["oracle"]["original"])
+        groups[ORIGINAL_GROUPS[report.oracle.name]] = dict(arrays["oracle"]["original"])
     files, entries = {}, {}
     for group, values in groups.items():
         data = _npz_bytes(values)
@@ -246,7 +247,12 @@ def load_golden(directory: str | os.PathLike) -> Golden:
     if missing:
         raise GoldenError(f"{index_path}: stages {missing} have no stored reference output")
     backends = {g.removeprefix("backend."): a for g, a in loaded.items() if g.startswith("backend.")}
-    oracle = loaded.get(ORIGINAL_GROUP)
+    stored = [name for name, group in ORIGINAL_GROUPS.items() if group in loaded]
+    if len(stored) > 1:
+        raise GoldenError(f"{index_path}: stores the outputs of two oracles ({', '.join(stored)}); one check runs one")
+    oracle = loaded.get(ORIGINAL_GROUPS[stored[0]]) if stored else None
+    if oracle is not None and (golden_oracle_name(index) != stored[0]):
+        raise GoldenError(f"{index_path}: its oracle entry does not name {stored[0]}, whose outputs it stores")
     if oracle is not None and "input_ids" not in loaded["inputs"]:
         raise GoldenError(f"{index_path}: stores the original's outputs but no input_ids to feed them")
     return Golden(directory, index, loaded["inputs"], loaded["reference"], backends, oracle)
@@ -315,16 +321,33 @@ def compare_with_golden(
     }
 
 
+def golden_oracle_name(index: dict) -> str:
+    """The oracle whose outputs a golden index records (transformers when the entry predates llama.cpp)."""
+    info = index.get("oracle")
+    return info.get("name", "transformers") if isinstance(info, dict) else "transformers"
+
+
 def _compare_with_stored_original(report, golden: Golden, artifact, tolerances, model64):
-    """Today's float64 rebuild of the artifact against the original's stored outputs (no transformers needed)."""
+    """Today's float64 rebuild of the artifact against the original's stored outputs (no transformers or
+    llama.cpp needed)."""
     import torch
 
     from runners.eager import model_from_artifact
     from toolkit.check.crosscheck import BackendResult
+    from toolkit.check.llamacpp import TOLERANCES, stored_llama_cpp
     from toolkit.check.oracle import check_input_ids, our_stages
 
     if model64 is None:
         model64 = model_from_artifact(artifact).to(torch.float64)
+    if golden_oracle_name(golden.index) == "llama.cpp":
+        info = golden.index["oracle"]
+        precision = info.get("precision")
+        if precision not in TOLERANCES:
+            raise GoldenError(f"{golden.directory}/{INDEX_FILE}: oracle.precision must be one of {sorted(TOLERANCES)}")
+        prompt = check_input_ids(golden.inputs["input_ids"])
+        comparison, _ = stored_llama_cpp(golden.oracle, prompt, model64, precision)
+        where = f"llama.cpp {info.get('llama_cpp', '')} as stored vs today's eager-f64"
+        return BackendResult(ORIGINAL_NAME, where, comparison, 0.0)
     stages = [s for s in (golden.index.get("oracle") or {}).get("stages", golden.oracle) if s in golden.oracle]
     prompt = [s for s in stages if not s.startswith("decode.")]
     ours, calibration = our_stages(model64, check_input_ids(golden.inputs["input_ids"]), prompt)

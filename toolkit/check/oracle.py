@@ -49,7 +49,7 @@ from models.artifacts import artifact_config, open_artifact
 from runners.compare import Comparison, ToleranceConfig, compare
 from runners.eager import model_from_artifact
 
-ORACLES = ("transformers",)
+ORACLES = ("transformers", "llama.cpp")
 INSTALL_HINT = "pip install '.[oracle]' (or pip install 'transformers>=4.45')"
 FAMILIES = ("llama", "gpt")  # the families a Hugging Face import produces (models/checkpoints/huggingface.py)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -88,14 +88,22 @@ def checkpoint_hashes(directory: str | os.PathLike) -> dict[str, str]:
     return {path.name: sha256_file(path) for path in checkpoint_files(Path(directory)) if path.is_file()}
 
 
-def verify_checkpoint(artifact: Artifact) -> Path:
-    """The checkpoint directory `artifact` was imported from, after checking that its files are the ones hashed at
-    export. A preset or GGUF artifact, an unrecorded hash, a moved or changed checkpoint: one-line errors."""
+# The checkpoint format each oracle loads, and how a user makes an artifact from one.
+SOURCE_FORMATS = {"transformers": "huggingface", "llama.cpp": "gguf"}
+_EXPORT_HINT = {"huggingface": "toolkit export --from DIR", "gguf": "toolkit export --from FILE.gguf"}
+_SOURCE_NAMES = {"huggingface": "a Hugging Face directory", "gguf": "a GGUF file"}
+
+
+def verify_checkpoint(artifact: Artifact, oracle: str = "transformers") -> Path:
+    """The checkpoint `artifact` was imported from (a Hugging Face directory for transformers, a GGUF file for
+    llama.cpp), after checking that its files are the ones hashed at export. A preset artifact, another format, an
+    unrecorded hash, a moved or changed checkpoint: one-line errors."""
+    wanted = SOURCE_FORMATS[oracle]
     source = artifact.manifest.source
     where = f"{artifact.location}/manifest.json"
     if not isinstance(source, dict) and source is not None:
         source = dict(source) if hasattr(source, "items") else None
-    if not source or source.get("format") != "huggingface":
+    if not source or source.get("format") != wanted:
         made = (
             f"imported from a {source.get('format')} checkpoint"
             if source and isinstance(source.get("format"), str)
@@ -104,12 +112,13 @@ def verify_checkpoint(artifact: Artifact) -> Path:
             else "not imported from a checkpoint"
         )
         raise ConfigError(
-            f"--oracle transformers needs an artifact imported from a Hugging Face directory "
-            f"(toolkit export --from DIR); {artifact.location} was {made}"
+            f"--oracle {oracle} needs an artifact imported from {_SOURCE_NAMES[wanted]} ({_EXPORT_HINT[wanted]}); "
+            f"{artifact.location} was {made}"
         )
     path, hashes = source.get("path"), source.get("sha256")
+    what = "checkpoint directory" if wanted == "huggingface" else "GGUF file"
     if not isinstance(path, str) or not path:
-        raise ModelFileError(f"{where}: source.path must be the checkpoint directory, got {path!r}")
+        raise ModelFileError(f"{where}: source.path must be the {what}, got {path!r}")
     if not hashes:
         raise ModelFileError(
             f"{where}: records no sha256 of the source checkpoint's files (exported by an older toolkit), so the "
@@ -125,11 +134,19 @@ def verify_checkpoint(artifact: Artifact) -> Path:
         for k, v in hashes.items()
     ):
         raise ModelFileError(f"{where}: source.sha256 must map plain file names to sha256 hex digests")
-    directory = Path(path)
-    if not directory.is_dir():
+    recorded = Path(path)
+    if wanted == "gguf":
+        if list(hashes) != [recorded.name]:
+            raise ModelFileError(f"{where}: source.sha256 must hold exactly the GGUF file {recorded.name!r}")
+        directory = recorded.parent
+        present = recorded.is_file()
+    else:
+        directory = recorded
+        present = directory.is_dir()
+    if not present:
         raise ModelFileError(
-            f"source checkpoint {directory} (recorded in {where}) is not a directory: it was moved or deleted "
-            f"since the export; put it back, or re-export from where it is now"
+            f"source {what} {recorded} (recorded in {where}) is not there: it was moved or deleted since the "
+            "export; put it back, or re-export from where it is now"
         )
     for name, expected in sorted(hashes.items()):
         file = directory / name
@@ -144,6 +161,8 @@ def verify_checkpoint(artifact: Artifact) -> Path:
                 f"{file}: sha256 {actual[:12]}… differs from {expected[:12]}… recorded at export; the source "
                 f"checkpoint changed since {artifact.location} was exported; re-export it or restore the file"
             )
+    if wanted == "gguf":
+        return recorded
     added = sorted(p.name for p in checkpoint_files(directory) if p.is_file() and p.name not in hashes)
     if added:
         raise HashMismatchError(
@@ -263,6 +282,24 @@ class OracleRun:
     seconds: float
 
 
+def check_prompt_feed(inputs: dict | None, oracle: str) -> None:
+    """An oracle runs the original on a fresh prompt: input_ids at positions 0..T-1, nothing else."""
+    if inputs is None:
+        return
+    extra = sorted(set(inputs) - {"input_ids", "position_ids"})
+    if extra:
+        raise ConfigError(
+            f"--oracle {oracle} feeds the original a fresh prompt (input_ids only); the inputs also give {extra}"
+        )
+    ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+    if positions is not None and ids is not None:
+        expected = np.broadcast_to(np.arange(np.shape(ids)[-1]), np.shape(ids))
+        if np.shape(positions) != np.shape(ids) or not np.array_equal(positions, expected):
+            raise ConfigError(
+                f"--oracle {oracle} feeds the original positions 0..T-1; the inputs give other position_ids"
+            )
+
+
 def refuse_oracle(artifact: Artifact, inputs: dict | None, tolerances: ToleranceConfig | None) -> Path:
     """Every reason the oracle cannot run, before any model is built; returns the verified checkpoint directory."""
     import_transformers()
@@ -271,19 +308,7 @@ def refuse_oracle(artifact: Artifact, inputs: dict | None, tolerances: Tolerance
             f"{artifact.location} is quantized, so it differs from the original by the quantization error, which "
             "the float tolerances do not allow; give --tolerances with the error you accept"
         )
-    if inputs is not None:
-        extra = sorted(set(inputs) - {"input_ids", "position_ids"})
-        if extra:
-            raise ConfigError(
-                f"--oracle transformers feeds the original a fresh prompt (input_ids only); the inputs also give {extra}"
-            )
-        ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
-        if positions is not None and ids is not None:
-            expected = np.broadcast_to(np.arange(np.shape(ids)[-1]), np.shape(ids))
-            if np.shape(positions) != np.shape(ids) or not np.array_equal(positions, expected):
-                raise ConfigError(
-                    "--oracle transformers feeds the original positions 0..T-1; the inputs give other position_ids"
-                )
+    check_prompt_feed(inputs, "transformers")
     directory = verify_checkpoint(artifact)
     if artifact.family not in FAMILIES:
         raise ConfigError(
@@ -447,8 +472,12 @@ def verify_export(artifact: Artifact, directory: Path, *, seed: int = 0):
 
 
 def recorded_source(source: dict, checkpoint: str) -> dict:
-    """The manifest's `source`: a Hugging Face directory is recorded by absolute path with its files' sha256
-    (config.json, *.safetensors), so `toolkit check --oracle transformers` can load and verify the original."""
+    """The manifest's `source`: a Hugging Face directory or a GGUF file is recorded by absolute path with its
+    files' sha256 (config.json and *.safetensors, or the .gguf), so `toolkit check --oracle transformers|llama.cpp`
+    can verify and load the original."""
+    if source.get("format") == "gguf":
+        path = Path(checkpoint).resolve()
+        return {**source, "path": str(path), "sha256": {path.name: sha256_file(path)}}
     if source.get("format") != "huggingface":
         return dict(source)
     directory = Path(checkpoint).resolve()

@@ -122,6 +122,8 @@ def oracle_lines(report: CheckReport) -> list[str]:
     oracle = report.oracle
     if oracle is None:
         return []
+    if oracle.name == "llama.cpp":
+        return llama_cpp_lines(report)
     info = report.oracle_info
     outputs = oracle.comparison.outputs
     width = max(len("stage"), *(len(o.name) for o in outputs))
@@ -155,6 +157,40 @@ def oracle_lines(report: CheckReport) -> list[str]:
     return lines
 
 
+def llama_cpp_lines(report: CheckReport) -> list[str]:
+    """--oracle llama.cpp: the logits' relative RMS error on prefill and decode positions, greedy agreement."""
+    oracle, info = report.oracle, report.oracle_info
+    outputs = oracle.comparison.outputs
+    width = max(len("stage"), *(len(o.name) for o in outputs))
+    header = f"{'stage':<{width}}  {'shape':<14} {'allowed':>9}  {'rel RMS':>9}  {'max abs':>9}  verdict"
+    lines = [
+        "",
+        f"oracle: llama.cpp {info.get('llama_cpp')} on {info.get('checkpoint')} (sha256 verified), "
+        f"{info.get('precision')} weights; cells: eager-f64 rebuilt from the artifact vs llama.cpp's logits",
+        header,
+        "-" * len(header),
+    ]
+    for output in outputs:
+        verdict = "ok" if output.passed else f"FAIL{': ' + output.reason if output.reason else ''}"
+        if output.argmax_agreement is not None:
+            verdict += f" (arg-max agreement {output.argmax_agreement:.0%})"
+        lines.append(
+            f"{output.name:<{width}}  {_shape(output.reference_shape):<14} {_err(output.allowed):>9}  "
+            f"{_err(output.value):>9}  {_err(output.max_abs):>9}  {verdict}"
+        )
+    if info.get("greedy_agreement") is not None:
+        lines.append(
+            f"greedy agreement over llama.cpp's {info.get('decode_steps')} decode steps: "
+            f"{info['greedy_agreement']:.0%} of our arg-max tokens are llama.cpp's"
+        )
+    failure = oracle.comparison.first_failure
+    if failure is None:
+        lines.append(f"oracle llama.cpp: PASS, the logits match llama.cpp's ({oracle.seconds * 1e3:.0f} ms)")
+    else:
+        lines.append(f"oracle llama.cpp: FAIL, {failure.name}: {failure.reason}")
+    return lines
+
+
 def to_json(report: CheckReport) -> str:
     return json.dumps(report.to_dict(), indent=2)
 
@@ -174,7 +210,7 @@ def to_junit(report: CheckReport) -> str:
         if not output.passed:
             against = {
                 "golden": "the stored golden outputs",
-                "oracle": "the original checkpoint (transformers)",
+                "oracle": f"the original checkpoint ({backend.name})",
             }.get(kind, "the float64 oracle")
             numbers = (
                 f"max_abs={_err(output.max_abs)} allowed={_err(output.allowed)} "

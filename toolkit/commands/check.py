@@ -65,9 +65,11 @@ from toolkit.commands.common import load_npz, split_backends
 @click.option(
     "--oracle",
     type=click.Choice(ORACLES),
-    help="Also compare with the original model: artifacts imported from a Hugging Face directory are held to "
-    "transformers loaded from the recorded checkpoint (hashes checked): embeddings, every layer's residual stream, "
-    "final norm, logits and decode steps. Needs transformers: pip install '.[oracle]'.",
+    help="Also compare with the original model, loaded from the checkpoint the manifest records (hashes checked). "
+    "transformers, for imports of a Hugging Face directory: embeddings, every layer's residual stream, final norm, "
+    "logits and decode steps (pip install '.[oracle]'). llama.cpp, for GGUF imports: logits on the prompt and on "
+    "--decode-steps (default 8) greedy steps through llama.cpp's cache, held to a relative RMS error set by the "
+    "GGUF's weight types, with greedy agreement (pip install '.[llamacpp]').",
 )
 def command(
     artifact_dir,

@@ -261,9 +261,9 @@ def test_without_transformers_the_option_says_how_to_get_it(monkeypatch):
     assert_user_error(invoke("check", "--oracle", "transformers"), "pip install '.[oracle]'")
 
 
-def test_only_transformers_is_an_oracle():
-    result = invoke("check", "--oracle", "llama.cpp")
-    assert result.exit_code == 2 and "'llama.cpp' is not 'transformers'" in result.output
+def test_unknown_oracle_is_a_usage_error():
+    result = invoke("check", "--oracle", "onnxruntime")
+    assert result.exit_code == 2 and "'onnxruntime' is not one of 'transformers', 'llama.cpp'" in result.output
 
 
 # --------------------------------------------------------------------------- `toolkit export --from` verification
