@@ -42,6 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 from artifact.errors import ExportError
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, SHARED_KV_CACHE, Manifest
 from exporters.replicate import SCOPES_KEY, topological  # SCOPES_KEY: torch.onnx's per-node module path metadata
+from models.rope import rope_attention_factor, rope_inverse_frequencies
 
 LOWERINGS = ("functions", "standard", "ort")
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
@@ -100,6 +101,19 @@ def check_supported(family: str, config, lowering: str) -> None:
             f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
             f"export it with --lowering {DEFAULT_LOWERING}"
         )
+    # Switches of the llama family whose attention the rewrite below does not rebuild (RoPE scaling and an
+    # explicit head_dim it does: they change only the cos/sin caches and the projection widths).
+    switches = {
+        "attention_bias": ("biases on the attention projections", getattr(config, "attention_bias", "none") != "none"),
+        "qk_norm": ("RMSNorm of queries and keys per head", getattr(config, "qk_norm", False)),
+        "sliding_window": ("sliding-window attention", getattr(config, "sliding_window", None) is not None),
+    }
+    for key, (what, on) in switches.items():
+        if on:
+            raise ExportError(
+                f"lowering {lowering!r} does not rebuild {what} ({key}={getattr(config, key)!r}); "
+                f"export it with --lowering {DEFAULT_LOWERING}"
+            )
 
 
 def lower(
@@ -508,12 +522,15 @@ class _Rewriter:
     def _rope_caches(self):
         if "rope" not in self.shared:
             c = self.config
-            # angle[p, i] = p * base^(-2i / head_width), in float64 like the oracle, stored as float32
-            inv_freq = c.rope_base ** (-np.arange(0, c.head_width, 2, dtype=np.float64) / c.head_width)
+            # angle[p, i] = p * inv_freq[i] (models/rope.py: the scaling type's frequencies), in float64 like the
+            # oracle, stored as float32; YaRN's attention factor multiplies cos and sin.
+            scaling = getattr(c, "rope_scaling", None)
+            inv_freq = rope_inverse_frequencies(c.head_width, c.rope_base, scaling).numpy()
             angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+            factor = rope_attention_factor(scaling)
             self.shared["rope"] = (
-                self.const(np.cos(angles).astype(np.float32), "cos_cache"),
-                self.const(np.sin(angles).astype(np.float32), "sin_cache"),
+                self.const((np.cos(angles) * factor).astype(np.float32), "cos_cache"),
+                self.const((np.sin(angles) * factor).astype(np.float32), "sin_cache"),
             )
         return self.shared["rope"]
 

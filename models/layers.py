@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.ops import apply_rope, attention, rms_norm, rope_inverse_frequencies, swiglu
+from models.ops import apply_rope, attention, rms_norm, swiglu
+from models.rope import rope_attention_factor, rope_inverse_frequencies
 
 NORMS = ("layernorm", "rmsnorm")
 FFNS = ("relu", "gelu", "swiglu")
@@ -42,20 +43,42 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, width, heads, kv_heads=None, *, bias=False, causal=True, rope_base=None, rope_pairing="interleaved"
+        self,
+        width,
+        heads,
+        kv_heads=None,
+        *,
+        bias=False,
+        qkv_bias=False,
+        causal=True,
+        rope_base=None,
+        rope_pairing="interleaved",
+        rope_scaling=None,
+        head_width=None,
+        qk_norm_eps=None,
+        sliding_window=None,
     ):
+        """bias: every projection has one; qkv_bias: q/k/v only (Qwen2). head_width: None is width / heads.
+        qk_norm_eps: RMSNorm each head's queries and keys before RoPE (Qwen3). sliding_window: keys at most
+        window - 1 positions before the query."""
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
-        self.head_width = width // heads
-        self.causal, self.rope_pairing = causal, rope_pairing
-        kv_width = self.kv_heads * self.head_width
-        self.q_proj = nn.Linear(width, width, bias=bias)
-        self.k_proj = nn.Linear(width, kv_width, bias=bias)
-        self.v_proj = nn.Linear(width, kv_width, bias=bias)
-        self.o_proj = nn.Linear(width, width, bias=bias)
+        self.head_width = head_width or width // heads
+        self.causal, self.rope_pairing, self.sliding_window = causal, rope_pairing, sliding_window
+        q_width, kv_width = self.heads * self.head_width, self.kv_heads * self.head_width
+        self.q_proj = nn.Linear(width, q_width, bias=bias or qkv_bias)
+        self.k_proj = nn.Linear(width, kv_width, bias=bias or qkv_bias)
+        self.v_proj = nn.Linear(width, kv_width, bias=bias or qkv_bias)
+        self.o_proj = nn.Linear(q_width, width, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_width, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_width, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
         self.rope = rope_base is not None
         if self.rope:
-            self.register_buffer("inv_freq", rope_inverse_frequencies(self.head_width, rope_base), persistent=False)
+            inv_freq = rope_inverse_frequencies(self.head_width, rope_base, rope_scaling)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.rope_factor = rope_attention_factor(rope_scaling)
 
     def forward(self, x, memory=None, position_offset: int = 0, past=None, past_mask=None, position_ids=None):
         """Returns (output, probabilities), plus (keys, values) for the cache when `past` is given.
@@ -75,12 +98,14 @@ class Attention(nn.Module):
         v = (
             self.v_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)
         )  # (B, kv_heads, S, head_width)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's head_width
         if past is not None:
             position_offset = position_offset + past[0].shape[2]
         if self.rope:
             positions = torch.arange(T, device=x.device) + position_offset if position_ids is None else position_ids
-            q = apply_rope(q, positions, self.inv_freq, self.rope_pairing)
-            k = apply_rope(k, positions, self.inv_freq, self.rope_pairing)
+            q = apply_rope(q, positions, self.inv_freq, self.rope_pairing, self.rope_factor)
+            k = apply_rope(k, positions, self.inv_freq, self.rope_pairing, self.rope_factor)
         if past is not None:
             k = torch.cat((past[0], k), dim=2)  # (B, kv_heads, T_past + T, head_width)
             v = torch.cat((past[1], v), dim=2)  # (B, kv_heads, T_past + T, head_width)
@@ -88,8 +113,8 @@ class Attention(nn.Module):
         if past_mask is not None:
             new = torch.ones(B, T, dtype=torch.bool, device=x.device)
             key_mask = torch.cat((past_mask.to(torch.bool), new), dim=1)  # (B, T_past + T)
-        out, probs = attention(q, k, v, causal=self.causal, key_mask=key_mask)
-        out = self.o_proj(out.transpose(1, 2).reshape(B, T, d))  # (B, T, width)
+        out, probs = attention(q, k, v, causal=self.causal, key_mask=key_mask, window=self.sliding_window)
+        out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_width))  # (B, T, width)
         return (out, probs) if past is None else (out, probs, (k, v))
 
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 from artifact.errors import InputError
 from models import validation as v
 from models.layers import Attention, Block, RMSNorm, SwiGLU, past_length, run_stack, stage_names
+from models.rope import validate_rope_scaling
 
 BLOCK_STAGES = stage_names("pre", cross=False)
 # Post-norm computes the branches before the norms; stage order follows computation.
@@ -32,6 +33,12 @@ class BlockConfig(v.ConfigFields):
     norm_placement: str = "pre"
     kv_heads: int | None = None  # None means kv_heads == heads (plain multi-head attention)
     rope_pairing: str = "interleaved"
+    # The switches of the decoders people ship (Llama 3, Mistral, Qwen2/3), each off by default:
+    head_dim: int | None = None  # None: width / heads; Qwen3 and some Llama 3.2 set it apart
+    rope_scaling: dict | None = None  # models/rope.py: linear, llama3, yarn
+    attention_bias: str = "none"  # "qkv" (Qwen2: q/k/v projections), "all" (Llama's attention_bias: o too)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    sliding_window: int | None = None  # a query sees itself and the window - 1 positions before it (Mistral)
     head_width: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -41,11 +48,23 @@ class BlockConfig(v.ConfigFields):
         if self.kv_heads is None:
             self.kv_heads = self.heads
         v.positive_int(owner, "kv_heads", self.kv_heads)
-        if self.width % self.heads:
-            v.fail(owner, "heads", f"a divisor of width={self.width}", self.heads)
-        self.head_width = self.width // self.heads
-        if self.head_width % 2:
-            v.fail(owner, "heads", f"a head count giving an even head width (width={self.width})", self.heads)
+        if self.head_dim is None:
+            if self.width % self.heads:
+                v.fail(owner, "heads", f"a divisor of width={self.width}", self.heads)
+            self.head_width = self.width // self.heads
+            if self.head_width % 2:
+                v.fail(owner, "heads", f"a head count giving an even head width (width={self.width})", self.heads)
+        else:
+            v.positive_int(owner, "head_dim", self.head_dim)
+            if self.head_dim % 2:
+                v.fail(owner, "head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
+            self.head_width = self.head_dim
+        validate_rope_scaling(owner, self.rope_scaling)
+        v.one_of(owner, "attention_bias", self.attention_bias, ("none", "qkv", "all"))
+        if not isinstance(self.qk_norm, bool):
+            v.fail(owner, "qk_norm", "true or false", self.qk_norm)
+        if self.sliding_window is not None:
+            v.positive_int(owner, "sliding_window", self.sliding_window)
         if self.heads % self.kv_heads:
             v.fail(owner, "kv_heads", f"a divisor of heads={self.heads}", self.kv_heads)
         v.finite_float(owner, "rope_base", self.rope_base, minimum=0.0, inclusive=False)
@@ -94,9 +113,15 @@ class LlamaBlock(Block):
             config.width,
             config.heads,
             config.kv_heads,
+            bias=config.attention_bias == "all",
+            qkv_bias=config.attention_bias == "qkv",
             causal=True,
             rope_base=config.rope_base,
             rope_pairing=config.rope_pairing,
+            rope_scaling=config.rope_scaling,
+            head_width=config.head_width,
+            qk_norm_eps=config.eps if config.qk_norm else None,
+            sliding_window=config.sliding_window,
         )
         self.feed_forward_norm = RMSNorm(config.width, config.eps)
         self.feed_forward = SwiGLU(config.width, config.ff_width)

@@ -40,14 +40,11 @@ def swiglu(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down
     return F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
 
 
-def rope_inverse_frequencies(head_width: int, base: float) -> torch.Tensor:
-    # inv_freq[i] = base^(-2i / head_width), computed in float64 so the oracle stays exact
-    exponents = torch.arange(0, head_width, 2, dtype=torch.float64) / head_width
-    return base ** (-exponents)
-
-
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, pairing: str) -> torch.Tensor:
-    """Rotate dimension pairs of x [B, heads, T, head_width] by angle pos * inv_freq[i].
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, pairing: str, scale: float = 1.0
+) -> torch.Tensor:
+    """Rotate dimension pairs of x [B, heads, T, head_width] by angle pos * inv_freq[i], times `scale` (YaRN's
+    attention factor multiplies cos and sin; 1 otherwise).
 
     positions: (T,) shared by the batch, or (B, T) per row (batched serving).
     pairing "interleaved" rotates (2i, 2i+1); "half" rotates (i, i + head_width/2),
@@ -56,7 +53,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     angles = positions.to(inv_freq.dtype)[..., None] * inv_freq  # (T, head_width/2) or (B, T, head_width/2)
     if angles.ndim == 3:
         angles = angles[:, None]  # (B, 1, T, head_width/2): every head of a row shares its positions
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if pairing == "interleaved":
         first, second = x[..., 0::2], x[..., 1::2]  # (B, heads, T, head_width/2) each
         rotated = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
@@ -67,7 +67,12 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, key_mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    key_mask: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(head_width) [+ causal mask]) v, returning (output, probabilities).
 
@@ -76,6 +81,8 @@ def attention(
     With causal=True, T_k >= T_q and the last T_q keys are the queries' own positions
     (earlier ones are cached); future keys get -inf so their probabilities are exactly 0.
     key_mask (B, T_k) additionally hides keys per row (padding in a batched cache).
+    window: a query at position p sees keys at positions p - window < j <= p (sliding-window attention).
+    Positions count the keys key_mask keeps, so left padding in a batched cache takes no place in the window.
     """
     _, heads, t_q, head_width = q.shape
     kv_heads, t_k = k.shape[1], k.shape[2]
@@ -91,5 +98,13 @@ def attention(
     if key_mask is not None:
         # key_mask (B, T_k), True where a key may be attended (padding slots of a batched cache are False).
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    if window is not None:
+        if key_mask is None:
+            key_pos = torch.arange(t_k, device=q.device)[None, :]  # (1, T_k)
+        else:
+            key_pos = key_mask.to(torch.int64).cumsum(-1) - 1  # (B, T_k): position of each kept key
+        query_pos = key_pos[:, t_k - t_q :]  # (B or 1, T_q): the queries are the last T_q keys
+        too_old = query_pos[:, :, None] - key_pos[:, None, :] >= window  # (B or 1, T_q, T_k)
+        scores = scores.masked_fill(too_old[:, None], float("-inf"))
     probs = scores.softmax(dim=-1)
     return probs @ v, probs

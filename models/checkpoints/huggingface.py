@@ -12,14 +12,15 @@ from pathlib import Path
 import torch
 
 from artifact.errors import ConfigError, ModelFileError
-from models.checkpoints.config_keys import KeyPolicy, Only, is_int, is_number, refusal
+from models.checkpoints.config_keys import KeyPolicy, Only, refusal
+from models.checkpoints.hf_decoders import ARCHITECTURES, decoder_config, decoder_key_policy, decoder_names
 from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
 from models.checkpoints.safetensors_reader import read_safetensors
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
 from models.tokenizer import TextTokenizer
 
-HF_ARCHITECTURES = ("llama (LlamaForCausalLM)", "gpt2 (GPT2LMHeadModel)")
+HF_ARCHITECTURES = (*(f"{t} ({cls})" for t, cls in ARCHITECTURES.items()), "gpt2 (GPT2LMHeadModel)")
 
 # PretrainedConfig's own keys and transformers' bookkeeping; none changes what LlamaForCausalLM or
 # GPT2LMHeadModel compute from input ids.
@@ -108,67 +109,9 @@ HF_ONLY = {
 }
 
 
-def _window_is_whole_context(value, raw, ours) -> bool:
-    """A window at least as long as the context never masks anything; use_sliding_window=false turns it off."""
-    return value is None or (is_int(value) and value >= ours.max_positions) or raw.get("use_sliding_window") is False
+DECODER_KEYS = {t: decoder_key_policy(t, HF_INERT, HF_ONLY) for t in ARCHITECTURES}
+LLAMA_KEYS = DECODER_KEYS["llama"]
 
-
-def _is_default_rope(value) -> bool:
-    if not isinstance(value, dict):
-        return False
-    extra = set(value) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-    kind = value.get("rope_type", value.get("type", "default"))
-    return not extra and kind == "default" and value.get("partial_rotary_factor", 1.0) == 1.0
-
-
-LLAMA_KEYS = KeyPolicy(
-    "llama",
-    implemented=frozenset(
-        {
-            "model_type",
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-            "rms_norm_eps",
-            "rope_theta",
-            "rope_parameters",
-            "tie_word_embeddings",
-        }
-    ),
-    only={
-        **HF_ONLY,
-        "hidden_act": Only(lambda v, raw, ours: v == "silu", '"silu"'),
-        "attention_bias": Only(lambda v, raw, ours: v is None or v is False, "false (the LLaMA family is bias-free)"),
-        "mlp_bias": Only(lambda v, raw, ours: v is None or v is False, "false (the LLaMA family is bias-free)"),
-        "head_dim": Only(
-            lambda v, raw, ours: v is None or v == ours.head_width,
-            lambda raw, ours: f"null or hidden_size/num_attention_heads = {ours.head_width}",
-        ),
-        "partial_rotary_factor": Only(
-            lambda v, raw, ours: v is None or v == 1.0, "null or 1.0 (RoPE on every dimension)"
-        ),
-        "sliding_window": Only(
-            _window_is_whole_context,
-            lambda raw, ours: f"null or >= max_position_embeddings = {ours.max_positions} (no window)",
-        ),
-        "use_sliding_window": Only(
-            lambda v, raw, ours: v is False or _window_is_whole_context(raw.get("sliding_window"), {}, ours),
-            lambda raw, ours: f"false, or a sliding_window >= max_position_embeddings = {ours.max_positions}",
-        ),
-        "rope_scaling": Only(lambda v, raw, ours: v is None or _is_default_rope(v), 'null or rope_type "default"'),
-        "attn_logit_softcapping": Only(lambda v, raw, ours: v is None, "null (no soft-capping)"),
-        "final_logit_softcapping": Only(lambda v, raw, ours: v is None, "null (no soft-capping)"),
-    },
-    inert=HF_INERT
-    | {
-        # Slices each projection into pretraining_tp pieces and sums them: the same function.
-        "pretraining_tp",
-    },
-)
 
 GPT2_KEYS = KeyPolicy(
     "gpt2",
@@ -228,8 +171,9 @@ def import_huggingface(directory: Path) -> ImportedCheckpoint:
     if not isinstance(hf, dict):
         raise ModelFileError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
-    if model_type == "llama":
-        family, config, expected, keys = "llama", _llama_config(hf, config_path), _llama_names, LLAMA_KEYS
+    if model_type in ARCHITECTURES:
+        config = decoder_config(hf, config_path, model_type, _tie(hf, False, config_path, model_type))
+        family, expected, keys = "llama", _decoder_names, DECODER_KEYS[model_type]
     elif model_type == "gpt2":
         family, config, expected, keys = "gpt", _gpt2_config(hf, config_path), _gpt2_names, GPT2_KEYS
     else:
@@ -261,34 +205,6 @@ def _tie(hf: dict, default: bool, where: Path, importer: str) -> bool:
     return value
 
 
-def _llama_config(hf: dict, where: Path) -> LlamaConfig:
-    # transformers 5 keeps the RoPE parameters in rope_parameters, older files a top-level rope_theta
-    # (rope_parameters wins where both are given, as in transformers); scaling is refused by the key check.
-    rope = hf.get("rope_parameters")
-    if rope is not None and not _is_default_rope(rope):
-        raise refusal(where, "rope_parameters", rope, "llama", 'rope_type "default" with rope_theta (unscaled RoPE)')
-    rope_base = (rope or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not is_number(rope_base):
-        raise refusal(where, "rope_theta", rope_base, "llama", "a number")
-    heads = _get(hf, "num_attention_heads", where)
-    try:
-        return LlamaConfig(
-            vocab_size=_get(hf, "vocab_size", where),
-            layers=_get(hf, "num_hidden_layers", where),
-            width=_get(hf, "hidden_size", where),
-            heads=heads,
-            kv_heads=hf.get("num_key_value_heads") or heads,
-            ff_width=_get(hf, "intermediate_size", where),
-            max_positions=_get(hf, "max_position_embeddings", where, 2048),
-            rope_base=float(rope_base),
-            eps=float(_get(hf, "rms_norm_eps", where, 1e-6)),
-            tie_embeddings=_tie(hf, False, where, "llama"),
-            rope_pairing="half",  # Hugging Face rotates (i, i + head_width/2)
-        )
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise ModelFileError(f"{where}: {exc}") from None
-
-
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -314,24 +230,8 @@ def _gpt2_config(hf: dict, where: Path) -> GPTConfig:
         raise ModelFileError(f"{where}: {exc}") from None
 
 
-def _llama_names(c: LlamaConfig, tensors: dict, where) -> dict:
-    d, kv, f = c.width, c.kv_heads * c.head_width, c.ff_width
-    state = {"embed_tokens.weight": take_tensor(tensors, "model.embed_tokens.weight", (c.vocab_size, d), where)}
-    for i in range(c.layers):
-        hf, ours = f"model.layers.{i}.", f"block.{i}."
-        for src, dst, shape in (
-            ("input_layernorm.weight", "attention_norm.weight", (d,)),
-            ("self_attn.q_proj.weight", "attention.q_proj.weight", (d, d)),
-            ("self_attn.k_proj.weight", "attention.k_proj.weight", (kv, d)),
-            ("self_attn.v_proj.weight", "attention.v_proj.weight", (kv, d)),
-            ("self_attn.o_proj.weight", "attention.o_proj.weight", (d, d)),
-            ("post_attention_layernorm.weight", "feed_forward_norm.weight", (d,)),
-            ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight", (f, d)),
-            ("mlp.up_proj.weight", "feed_forward.up_proj.weight", (f, d)),
-            ("mlp.down_proj.weight", "feed_forward.down_proj.weight", (d, f)),
-        ):
-            state[ours + dst] = take_tensor(tensors, hf + src, shape, where)
-    state["final_norm.weight"] = take_tensor(tensors, "model.norm.weight", (d,), where)
+def _decoder_names(c: LlamaConfig, tensors: dict, where) -> dict:
+    state = decoder_names(c, tensors, where)
     _take_lm_head(state, tensors, c, where)
     return finish_state(state, tensors, where)
 

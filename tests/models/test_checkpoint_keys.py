@@ -68,15 +68,16 @@ def edited_copy(source, directory, **changes):
 LLAMA_REFUSED = {
     "sliding_window": (16, "16", f"null or >= max_position_embeddings = {MAX_POS} (no window)"),
     "use_sliding_window": (True, "true", None),  # with a window shorter than the context (set below)
-    "rope_scaling": ({"rope_type": "linear", "factor": 2.0}, '{"rope_type": "linear", "factor": 2.0}', "null or"),
+    # RoPE whose frequencies follow the sequence length at run time (linear, llama3 and yarn are implemented:
+    # tests/models/test_hf_decoders.py holds them to transformers).
+    "rope_scaling": ({"rope_type": "dynamic", "factor": 2.0}, '"dynamic"', "default, linear, llama3, yarn"),
     "rope_parameters": (
-        {"rope_type": "yarn", "factor": 4.0, "rope_theta": 100.0},
-        '{"rope_type": "yarn", "factor": 4.0, "rope_theta": 100.0}',
-        'rope_type "default"',
+        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0], "rope_theta": 100.0},
+        '"longrope"',
+        "default, linear, llama3, yarn",
     ),
-    "attention_bias": (True, "true", "false (the LLaMA family is bias-free)"),
+    "attention_bias": ("yes", '"yes"', "true or false"),
     "mlp_bias": (True, "true", "false"),
-    "head_dim": (16, "16", "null or hidden_size/num_attention_heads = 8"),
     "partial_rotary_factor": (0.5, "0.5", "null or 1.0"),
     "attn_logit_softcapping": (50.0, "50.0", "null (no soft-capping)"),
     "final_logit_softcapping": (30.0, "30.0", "null (no soft-capping)"),
@@ -101,6 +102,8 @@ def test_llama_key_that_changes_the_math_is_refused(tmp_path, llama_dir, key):
     message = str(info.value)
     if key == "use_sliding_window":  # the window comes first in the file and is refused by its own name
         key, shown = "sliding_window", "8"
+    if key.startswith("rope_"):  # refused by the RoPE type it names
+        key = "rope_type"
     assert message.startswith(f"{directory / 'config.json'}: {key}={shown} is not supported by the llama import")
     assert "\n" not in message
     if supported is not None:
@@ -118,6 +121,7 @@ LLAMA_NEUTRAL = [
     {"rope_scaling": {"rope_type": "default"}},
     {"attention_bias": False, "mlp_bias": False},
     {"head_dim": 8},
+    {"head_dim": None},
     {"partial_rotary_factor": 1.0},
     {"attn_logit_softcapping": None, "final_logit_softcapping": None},
     {"pruned_heads": {}},
@@ -261,17 +265,11 @@ def test_a_save_pretrained_checkpoint_imports_with_every_key_known(llama_dir, gp
 
 def test_math_changing_keys_are_never_inert():
     """The keys the issue names can never be on the inert lists (a mutation there must fail a test)."""
-    for key in (
-        "sliding_window",
-        "rope_scaling",
-        "attention_bias",
-        "head_dim",
-        "partial_rotary_factor",
-        "attn_logit_softcapping",
-        "final_logit_softcapping",
-    ):
+    for key in ("sliding_window", "partial_rotary_factor", "attn_logit_softcapping", "final_logit_softcapping"):
         assert LLAMA_KEYS.classify(key) == "only", key
-    assert LLAMA_KEYS.classify("tie_word_embeddings") == "implemented"
+    # Read and implemented (their values reach the config, which checks them).
+    for key in ("rope_scaling", "rope_parameters", "attention_bias", "head_dim", "tie_word_embeddings"):
+        assert LLAMA_KEYS.classify(key) == "implemented", key
 
 
 # --------------------------------------------------------------------------- GGUF metadata

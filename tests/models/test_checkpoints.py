@@ -289,26 +289,25 @@ BAD_HF = {
         r"tie_word_embeddings=false but there is no tensor 'lm_head\.weight' \(expected shape \(50, 32\)\)",
     ),
     "unknown model_type": (
-        _mutate_config(model_type="mistral"),
-        r"model_type 'mistral' is not supported; supported: llama.*gpt2",
+        _mutate_config(model_type="falcon"),
+        r"model_type 'falcon' is not supported; supported: llama.*mistral.*qwen2.*qwen3.*gpt2",
     ),
     "no model_type": (_mutate_config(model_type=None), r"model_type None is not supported; supported: llama"),
     "hidden_act": (
         _mutate_config(hidden_act="gelu"),
         r'hidden_act="gelu" is not supported by the llama import; supported: "silu"',
     ),
-    "rope scaling (rope_parameters)": (
-        _mutate_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}),
-        r'rope_parameters=\{"rope_type": "linear", .* is not supported by the llama import',
-    ),
     "rope scaling (legacy rope_scaling)": (
         _mutate_config(rope_parameters=None, rope_theta=100.0, rope_scaling={"type": "dynamic", "factor": 2.0}),
-        r'rope_scaling=\{"type": "dynamic", "factor": 2\.0\} is not supported by the llama import',
+        r'rope_type="dynamic" is not supported by the llama import; supported: default, linear, llama3, yarn',
     ),
-    "attention bias": (_mutate_config(attention_bias=True), r"attention_bias=true is not supported"),
-    "decoupled head_dim": (
+    "unknown yarn key": (
+        _mutate_config(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 100.0, "frob": 1}),
+        r"rope_scaling\.frob: expected absent",
+    ),
+    "head_dim the weights do not have": (
         _mutate_config(head_dim=16),
-        r"head_dim=16 is not supported by the llama import; supported: null or hidden_size/num_attention_heads = 8",
+        r"'model\.layers\.0\.self_attn\.q_proj\.weight'.*\(64, 32\)",
     ),
     "missing width": (_mutate_config(hidden_size=None), r"missing 'hidden_size'"),
 }
@@ -325,9 +324,9 @@ def test_bad_hf_checkpoint_is_a_model_file_error(tmp_path, base_llama, case):
     assert str(directory) in str(info.value)
 
 
-def test_rope_scaling_next_to_default_rope_parameters_is_rejected(tmp_path, base_llama):
-    """A config with a default rope_parameters *and* a legacy rope_scaling entry (hand-edited or
-    merged configs) must not silently drop the scaling: transformers 5 applies it."""
+def test_rope_scaling_next_to_default_rope_parameters_wins_as_in_transformers(tmp_path, base_llama):
+    """A config with a default rope_parameters *and* a legacy rope_scaling entry (hand-edited or merged configs):
+    transformers 5 applies the scaling, and so does the import."""
     from transformers import LlamaConfig as Config
 
     config, tensors = json.loads(json.dumps(base_llama[0])), dict(base_llama[1])
@@ -335,11 +334,11 @@ def test_rope_scaling_next_to_default_rope_parameters_is_rejected(tmp_path, base
     config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
     assert Config.from_dict(config).rope_parameters["rope_type"] == "linear"  # what the oracle makes of it
     directory = write_hf(tmp_path / "hf", config, tensors)
-    with pytest.raises(
-        ModelFileError,
-        match=r'rope_scaling=\{"rope_type": "linear", "factor": 4\.0.* is not supported by the llama import',
-    ):
-        import_checkpoint(directory)
+    imported = import_checkpoint(directory)
+    assert imported.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    original = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+    ids = ids_for(imported.config.vocab_size, seq=MAX_POS)  # far enough for the factor and the base to matter
+    assert_close_f32(our_logits(imported.model, ids), hf_logits(original, ids))
 
 
 def test_unsupported_gpt2_activation(tmp_path):

@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.ops import apply_rope, attention, rms_norm, rope_inverse_frequencies, swiglu
+from models.ops import apply_rope, attention, rms_norm, swiglu
+from models.rope import rope_inverse_frequencies
 
 # Per-dtype tolerances (rtol, atol) for comparing torch results with a float64 numpy oracle.
 TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (2e-5, 2e-6)}

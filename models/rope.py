@@ -1,0 +1,137 @@
+"""Rotary position embeddings: inverse frequencies per scaling type, in float64 so the oracle stays exact.
+
+A RoPE scaling is a dict of a config (`rope_scaling`), the Hugging Face `rope_parameters` less `rope_theta`:
+
+    None or {"rope_type": "default"}   inv_freq[i] = base^(-2i / d)
+    {"rope_type": "linear", "factor"}  inv_freq / factor (positions interpolated by the factor)
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        Llama 3.1/3.2: wavelengths longer than original / low_freq_factor are divided by the factor, shorter than
+        original / high_freq_factor kept, the band between interpolated smoothly
+    {"rope_type": "yarn", "factor", "original_max_position_embeddings", beta_fast=32, beta_slow=1,
+     attention_factor, mscale, mscale_all_dim, truncate=True}
+        YaRN: a linear ramp between interpolated and extrapolated frequencies over the dimensions whose rotation
+        count at the original context lies between beta_slow and beta_fast, and cos/sin scaled by the attention
+        factor (default 0.1 ln(factor) + 1)
+
+`d` is the rotated width: the head width, or `partial_rotary_factor` of it. The formulas follow transformers'
+modeling_rope_utils.py. Types whose frequencies depend on the sequence length at run time (dynamic NTK,
+longrope's short/long factors) are refused by the config check, not approximated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models import validation as v
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Keys each type reads; "rope_type" names it. Anything else in the dict is refused by validate_rope_scaling.
+ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "attention_factor",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+}
+REQUIRED_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": ROPE_KEYS["llama3"],
+    "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+}
+
+
+def validate_rope_scaling(owner: str, scaling: dict | None) -> None:
+    """Refuse, naming the key, what the inverse frequencies below do not implement."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        v.fail(owner, "rope_scaling", "null or an object with a rope_type", scaling)
+    kind = scaling.get("rope_type", "default")
+    v.one_of(owner, "rope_scaling.rope_type", kind, ROPE_TYPES)
+    extra = sorted(set(scaling) - ROPE_KEYS[kind] - {"rope_type"})
+    if extra:
+        v.fail(
+            owner,
+            f"rope_scaling.{extra[0]}",
+            f"absent (rope_type {kind!r} reads {sorted(ROPE_KEYS[kind])})",
+            scaling[extra[0]],
+        )
+    missing = sorted(REQUIRED_KEYS[kind] - set(scaling))
+    if missing:
+        v.fail(owner, f"rope_scaling.{missing[0]}", f"a value (rope_type {kind!r} needs it)", None)
+    for key in sorted(set(scaling) - {"rope_type", "truncate"}):
+        value = scaling[key]
+        if key in ("attention_factor", "mscale", "mscale_all_dim") and value is None:
+            continue
+        v.finite_float(owner, f"rope_scaling.{key}", value, minimum=0.0, inclusive=False)
+    if "truncate" in scaling and not isinstance(scaling["truncate"], bool):
+        v.fail(owner, "rope_scaling.truncate", "true or false", scaling["truncate"])
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        v.fail(owner, "rope_scaling.high_freq_factor", "greater than low_freq_factor", scaling["high_freq_factor"])
+
+
+def rope_inverse_frequencies(rotated_width: int, base: float, scaling: dict | None = None) -> torch.Tensor:
+    """inv_freq (rotated_width / 2,) in float64 for the scaling type (see the module docstring)."""
+    exponents = torch.arange(0, rotated_width, 2, dtype=torch.float64) / rotated_width
+    inv_freq = base ** (-exponents)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        original = float(scaling["original_max_position_embeddings"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        return torch.where(medium, smoothed, scaled)
+    # yarn
+    original = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength turns `rotations` times over the original context.
+        return rotated_width * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotated_width - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rotated_width // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp  # 1: keep the original frequency, 0: interpolate by the factor
+    return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by (YaRN's attention temperature); 1 for the other types."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)

@@ -1,0 +1,247 @@
+"""Llama-shaped Hugging Face decoders against transformers: Llama 3.x RoPE scaling, explicit head_dim, attention
+biases, Mistral's sliding window, Qwen2 and Qwen3.
+
+Each case is a random tiny checkpoint saved with transformers' save_pretrained (odd widths, GQA, tied and
+untied, three layers) with a small BPE tokenizer. The oracle is transformers itself: logits within 1e-4 of the
+logits' scale in float32 on prefill and on cached decode steps, at positions beyond the window and beyond the
+RoPE scaling's original context, and `toolkit generate` token-identical to `model.generate(do_sample=False)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from artifact.errors import ModelFileError
+from models.checkpoints import import_checkpoint
+from tests.optional import import_or_skip
+from tests.toolkit.test_cli import assert_user_error, invoke
+
+transformers = import_or_skip("transformers", reason="transformers (the oracle) is a test extra")
+
+MAX_POS, WINDOW, ORIGINAL = 64, 5, 16
+SEQ = 24  # beyond the window and beyond the scaled RoPE's original context
+COMMON = dict(
+    hidden_size=36,
+    intermediate_size=52,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=MAX_POS,
+    rms_norm_eps=1e-5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": ORIGINAL,
+    "rope_theta": 500.0,
+}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 500.0}
+# name: (config class, keys, what our config must say)
+CASES = {
+    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3), dict(rope_scaling="llama3")),
+    "llama-linear": (
+        "LlamaConfig",
+        dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 300.0}, tie_word_embeddings=True),
+        dict(rope_scaling="linear", tie_embeddings=True),
+    ),
+    "llama-yarn": ("LlamaConfig", dict(rope_parameters=YARN), dict(rope_scaling="yarn")),
+    "llama-bias-head-dim": (
+        "LlamaConfig",
+        dict(attention_bias=True, head_dim=10, rope_theta=100.0),
+        dict(attention_bias="all", head_width=10),
+    ),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW, head_dim=6, rope_theta=100.0), dict(sliding_window=5)),
+    "qwen2": ("Qwen2Config", dict(rope_theta=100.0, tie_word_embeddings=True), dict(attention_bias="qkv")),
+    "qwen2-sliding": (
+        "Qwen2Config",
+        dict(rope_theta=100.0, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+        dict(attention_bias="qkv", sliding_window=5),
+    ),
+    "qwen2.5-yarn": ("Qwen2Config", dict(rope_parameters=YARN), dict(rope_scaling="yarn", attention_bias="qkv")),
+    "qwen3": ("Qwen3Config", dict(head_dim=8, rope_theta=100.0), dict(qk_norm=True, head_width=8)),
+    "qwen3-bias": (
+        "Qwen3Config",
+        dict(head_dim=12, rope_theta=100.0, attention_bias=True, tie_word_embeddings=True),
+        dict(qk_norm=True, attention_bias="all", head_width=12),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # No full byte alphabet: every token is printable ASCII, so any id sequence decodes cleanly.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<s>", "</s>"], show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog", "hello world"] * 10, trainer)
+    return tok
+
+
+@torch.no_grad()
+def randomize(model, seed):
+    """O(1) weight scales (norm gains near 1, biases near 0.1), so a dropped switch moves logits far beyond noise."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+        if name.endswith(".bias"):
+            p.copy_(0.3 * noise)
+        elif p.ndim == 1:
+            p.copy_(1 + 0.1 * noise)
+        elif "embed_tokens" in name:
+            p.copy_(noise)
+        else:
+            p.copy_(noise / math.sqrt(p.shape[1]))
+    return model.eval()
+
+
+def build(name, tok, directory):
+    cls, keys, _ = CASES[name]
+    config = getattr(transformers, cls)(vocab_size=tok.get_vocab_size(), **COMMON, **keys)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = randomize(transformers.AutoModelForCausalLM.from_config(config), sum(map(ord, name)))
+    model.save_pretrained(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tokenizer, tmp_path_factory):
+    """(name, checkpoint directory, transformers model)."""
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    return request.param, directory, build(request.param, tokenizer, directory)
+
+
+def ids_for(vocab, batch=2, seq=SEQ, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int64)
+
+
+def close(got, want, factor=1e-4):
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=factor * scale)
+
+
+def test_config_switches(case):
+    name, directory, _ = case
+    config = import_checkpoint(directory).config
+    for key, value in CASES[name][2].items():
+        got = getattr(config, key)
+        assert (got.get("rope_type") if isinstance(got, dict) else got) == value, (key, got)
+
+
+@torch.no_grad()
+def test_prefill_and_cached_decode_match_transformers(case):
+    name, directory, hf = case
+    ours = import_checkpoint(directory).model.eval()
+    config = ours.config
+    ids = ids_for(config.vocab_size, seed=len(name))
+    want = hf(torch.from_numpy(ids)).logits.numpy()
+    close(ours(torch.from_numpy(ids))["logits"].numpy(), want)
+    # Cached decode: a prefill of 4 tokens, then one token at a time through both caches, past the window and
+    # the original context.
+    empty = torch.zeros(2, config.kv_heads, 0, config.head_width)
+    out = ours(torch.from_numpy(ids[:, :4]), past=[(empty, empty)] * config.layers)
+    past = [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(config.layers)]
+    theirs = hf(torch.from_numpy(ids[:, :4]), use_cache=True)
+    cache = theirs.past_key_values
+    for t in range(4, SEQ):
+        step = torch.from_numpy(ids[:, t : t + 1])
+        out = ours(step, past=past)
+        past = [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(config.layers)]
+        theirs = hf(step, past_key_values=cache, use_cache=True)
+        cache = theirs.past_key_values
+        close(out["logits"].numpy(), theirs.logits.numpy())
+        close(out["logits"].numpy()[:, 0], want[:, t])
+
+
+def test_export_check_and_generate_through_the_cli(case, tokenizer, tmp_path):
+    """export --from (verified against transformers by default), check with the transformers oracle and decode
+    steps, and greedy generation token-identical to transformers' generate."""
+    name, directory, hf = case
+    out = tmp_path / "artifact"
+    result = invoke("export", "--from", directory, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "verified against the original" in result.output
+    check = invoke("check", out, "--oracle", "transformers", "--decode-steps", 3, "--seq-len", SEQ - 3)
+    assert check.exit_code == 0, check.output
+    assert "oracle transformers: PASS" in check.output
+    prompt = "the quick brown fox"
+    ids = [tokenizer.token_to_id("<s>")] + tokenizer.encode(prompt).ids
+    eos = tokenizer.token_to_id("</s>")
+    with torch.no_grad():
+        generated = hf.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos
+        )[0, len(ids) :].tolist()
+    result = invoke("generate", out, "--prompt", prompt, "--max-new-tokens", 20)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.removesuffix("\n") == tokenizer.decode(generated, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- lowerings
+
+
+@pytest.mark.parametrize("lowering", ["standard", "ort"])
+def test_rope_scaling_and_head_dim_through_every_lowering(tokenizer, tmp_path, lowering):
+    directory = tmp_path / "hf"
+    build("llama3", tokenizer, directory)
+    out = tmp_path / "artifact"
+    result = invoke("export", "--from", directory, "--out", out, "--lowering", lowering)
+    assert result.exit_code == 0, result.output
+    check = invoke("check", out, "--decode-steps", 2, "--seq-len", SEQ - 2)
+    assert check.exit_code == 0, check.output
+
+
+@pytest.mark.parametrize(
+    "name,switch", [("qwen3", "qk_norm=True"), ("mistral", "sliding_window=5"), ("qwen2", "attention_bias='qkv'")]
+)
+@pytest.mark.parametrize("lowering", ["standard", "ort"])
+def test_lowering_refuses_a_switch_it_does_not_rebuild(tokenizer, tmp_path, name, switch, lowering):
+    directory = tmp_path / "hf"
+    build(name, tokenizer, directory)
+    result = invoke("export", "--from", directory, "--out", tmp_path / "artifact", "--lowering", lowering)
+    assert_user_error(result, f"lowering '{lowering}' does not rebuild", switch, "--lowering functions")
+    assert not (tmp_path / "artifact").exists()
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def save_config(tokenizer, tmp_path, cls, **keys):
+    config = getattr(transformers, cls)(vocab_size=tokenizer.get_vocab_size(), **COMMON, **keys)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize(
+    "cls,keys,message",
+    [
+        ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic NTK"),
+        (
+            "Qwen2Config",
+            dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+            "layer_types=",
+        ),
+    ],
+    ids=["dynamic-rope", "per-layer-window"],
+)
+def test_switches_not_built_are_refused_by_name(tokenizer, tmp_path, cls, keys, message):
+    directory = save_config(tokenizer, tmp_path, cls, **keys)
+    with pytest.raises(ModelFileError, match=message) as info:
+        import_checkpoint(directory)
+    assert "\n" not in str(info.value)
