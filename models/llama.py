@@ -59,7 +59,7 @@ class BlockConfig(v.ConfigFields):
             if self.head_dim % 2:
                 v.fail(owner, "head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
             self.head_width = self.head_dim
-        validate_rope_scaling(owner, self.rope_scaling)
+        validate_rope_scaling(owner, self.rope_scaling, self.head_width)
         v.one_of(owner, "attention_bias", self.attention_bias, ("none", "qkv", "all"))
         if not isinstance(self.qk_norm, bool):
             v.fail(owner, "qk_norm", "true or false", self.qk_norm)

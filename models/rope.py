@@ -13,6 +13,9 @@ A RoPE scaling is a dict of a config (`rope_scaling`), the Hugging Face `rope_pa
         count at the original context lies between beta_slow and beta_fast, and cos/sin scaled by the attention
         factor (default 0.1 ln(factor) + 1)
 
+    {"rope_type": "factors", "factors": [...]}
+        llama.cpp's per-frequency divisors (a GGUF's rope_freqs tensor, how Llama 3.1 files carry llama3 scaling)
+
 `d` is the rotated width: the head width, or `partial_rotary_factor` of it. The formulas follow transformers'
 modeling_rope_utils.py. Types whose frequencies depend on the sequence length at run time (dynamic NTK,
 longrope's short/long factors) are refused by the config check, not approximated.
@@ -26,12 +29,13 @@ import torch
 
 from models import validation as v
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "factors")
 # Keys each type reads; "rope_type" names it. Anything else in the dict is refused by validate_rope_scaling.
 ROPE_KEYS = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "factors": frozenset({"factors"}),
     "yarn": frozenset(
         {
             "factor",
@@ -50,10 +54,11 @@ REQUIRED_KEYS = {
     "linear": frozenset({"factor"}),
     "llama3": ROPE_KEYS["llama3"],
     "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+    "factors": frozenset({"factors"}),
 }
 
 
-def validate_rope_scaling(owner: str, scaling: dict | None) -> None:
+def validate_rope_scaling(owner: str, scaling: dict | None, rotated_width: int) -> None:
     """Refuse, naming the key, what the inverse frequencies below do not implement."""
     if scaling is None:
         return
@@ -72,6 +77,15 @@ def validate_rope_scaling(owner: str, scaling: dict | None) -> None:
     missing = sorted(REQUIRED_KEYS[kind] - set(scaling))
     if missing:
         v.fail(owner, f"rope_scaling.{missing[0]}", f"a value (rope_type {kind!r} needs it)", None)
+    if kind == "factors":
+        factors = scaling["factors"]
+        if not isinstance(factors, list) or not factors:
+            v.fail(owner, "rope_scaling.factors", "a list of positive numbers, one per rotated pair", factors)
+        for factor in factors:
+            v.finite_float(owner, "rope_scaling.factors[]", factor, minimum=0.0, inclusive=False)
+        if len(factors) != rotated_width // 2:
+            v.fail(owner, "rope_scaling.factors", f"{rotated_width // 2} factors (one per rotated pair)", len(factors))
+        return
     for key in sorted(set(scaling) - {"rope_type", "truncate"}):
         value = scaling[key]
         if key in ("attention_factor", "mscale", "mscale_all_dim") and value is None:
@@ -90,6 +104,8 @@ def rope_inverse_frequencies(rotated_width: int, base: float, scaling: dict | No
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv_freq
+    if kind == "factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor

@@ -20,7 +20,10 @@ from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_mo
 from models.llama import LlamaConfig
 from models.tokenizer import TextTokenizer
 
-GGUF_ARCHITECTURES = ("llama",)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama.cpp's converter permutes a llama file's Q/K rows so that interleaved pairs (2i, 2i+1) rotate together;
+# Qwen2/3 files keep Hugging Face's rows, which llama.cpp rotates as NEOX pairs (i, i + head_width/2).
+GGUF_ROPE_PAIRING = {"llama": "interleaved", "qwen2": "half", "qwen3": "half"}
 GGUF_TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 # Row length handed to gguf's dequantizer (16 rows per numpy call): SmolLM2's rows are a few hundred
 # bytes, so calls are mostly overhead; much longer rows are slower again (their temporaries are
@@ -35,7 +38,7 @@ def gguf_key_policy(arch: str) -> KeyPolicy:
         return value is None or value == ours.head_width
 
     def head_width(raw, ours) -> str:
-        return f"embedding_length/head_count = {ours.head_width}"
+        return f"attention.key_length (or embedding_length/head_count) = {ours.head_width}"
 
     return KeyPolicy(
         f"GGUF {arch}",
@@ -54,6 +57,7 @@ def gguf_key_policy(arch: str) -> KeyPolicy:
                         "rope.freq_base",
                         "attention.layer_norm_rms_epsilon",
                         "vocab_size",
+                        "attention.key_length",
                     )
                 ),
                 # What TextTokenizer.from_gguf builds the tokenizer and its stop ids from.
@@ -72,10 +76,14 @@ def gguf_key_policy(arch: str) -> KeyPolicy:
         ),
         only={
             f"{arch}.rope.dimension_count": Only(at_head_width, head_width),
-            f"{arch}.attention.key_length": Only(at_head_width, head_width),
             f"{arch}.attention.value_length": Only(at_head_width, head_width),
-            f"{arch}.rope.scaling.type": Only(lambda v, raw, ours: v in ("none", None), '"none" (unscaled RoPE)'),
-            f"{arch}.rope.scaling.factor": Only(lambda v, raw, ours: v in (0, 1), "0 or 1 (unscaled RoPE)"),
+            f"{arch}.rope.scaling.type": Only(
+                lambda v, raw, ours: v in ("none", "linear", None), '"none" or "linear" (llama.cpp\'s freq_scale)'
+            ),
+            f"{arch}.rope.scaling.factor": Only(
+                lambda v, raw, ours: v in (0, 1) or raw.get(f"{arch}.rope.scaling.type") == "linear",
+                '0 or 1, or any factor with rope.scaling.type "linear"',
+            ),
             f"{arch}.attention.sliding_window": Only(
                 lambda v, raw, ours: v == 0 or (is_int(v) and v >= ours.max_positions),
                 lambda raw, ours: f"0 or >= context_length = {ours.max_positions} (no window)",
@@ -114,9 +122,13 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
         raise ModelFileError(
             f"{path}: GGUF architecture {arch!r:.60} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    config = _llama_config(fields, arch, tensors_by_name.keys(), path)
+    factors = None
+    if "rope_freqs.weight" in tensors_by_name:
+        factors = _dequantize(tensors_by_name["rope_freqs.weight"], path).reshape(-1).tolist()
+    config = _llama_config(fields, arch, tensors_by_name.keys(), path, factors)
     gguf_key_policy(arch).check(fields, config, path)
     tensors = {name: (lambda t=t: _dequantize(t, path)) for name, t in tensors_by_name.items()}
+    tensors.pop("rope_freqs.weight", None)  # read into the config above
     state = _gguf_names(config, tensors, path)
     model = load_model("llama", config, state, path, assign=True)  # the dequantized tensors are ours
     tokenizer = _gguf_tokenizer(fields, config.vocab_size, path) if "tokenizer.ggml.tokens" in fields else None
@@ -124,8 +136,22 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
     return ImportedCheckpoint("llama", config, model, tokenizer, source)
 
 
-def _llama_config(fields: dict, arch: str, tensor_names, path: Path) -> LlamaConfig:
-    """The config from `{arch}.*` metadata; the tensor names tell tied embeddings and scaled RoPE (rope_freqs)."""
+def _rope_scaling(fields: dict, arch: str, factors) -> dict | None:
+    """llama.cpp's RoPE scaling: a linear freq_scale, or per-frequency divisors (the rope_freqs tensor of Llama 3.1
+    files, which llama.cpp divides every angle by)."""
+    if factors is not None:
+        return {"rope_type": "factors", "factors": [float(f) for f in factors]}
+    if fields.get(f"{arch}.rope.scaling.type") == "linear" and fields.get(f"{arch}.rope.scaling.factor") not in (
+        None,
+        0,
+        1,
+    ):
+        return {"rope_type": "linear", "factor": float(fields[f"{arch}.rope.scaling.factor"])}
+    return None
+
+
+def _llama_config(fields: dict, arch: str, tensor_names, path: Path, rope_factors=None) -> LlamaConfig:
+    """The config from `{arch}.*` metadata; the tensor names tell tied embeddings and biases."""
 
     def meta(key, default=None, kind=int):
         value = fields.get(f"{arch}.{key}", default)
@@ -139,12 +165,6 @@ def _llama_config(fields: dict, arch: str, tensor_names, path: Path) -> LlamaCon
             )
         return kind(value)
 
-    # Scaled RoPE in metadata is refused by the key check; Llama 3.1-style files carry it as a tensor of
-    # per-frequency divisors instead, which llama.cpp applies to every RoPE angle.
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelFileError(
-            f"{path}: tensor 'rope_freqs.weight' (RoPE frequency scaling) is not supported; supported: unscaled RoPE"
-        )
     heads = meta("attention.head_count")
     tokens = fields.get("tokenizer.ggml.tokens", [])
     vocab = fields.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0)
@@ -160,8 +180,16 @@ def _llama_config(fields: dict, arch: str, tensor_names, path: Path) -> LlamaCon
             rope_base=meta("rope.freq_base", 10000.0, float),
             eps=meta("attention.layer_norm_rms_epsilon", kind=float),
             tie_embeddings="output.weight" not in tensor_names,
-            # llama.cpp's converter permutes Q/K rows so that interleaved pairs (2i, 2i+1) rotate together.
-            rope_pairing="interleaved",
+            rope_pairing=GGUF_ROPE_PAIRING[arch],
+            head_dim=meta("attention.key_length", 0) or None,
+            rope_scaling=_rope_scaling(fields, arch, rope_factors),
+            # llama.cpp loads q/k/v biases (and o's) where the file has them; Qwen2's always does.
+            attention_bias="all"
+            if "blk.0.attn_output.bias" in tensor_names
+            else "qkv"
+            if "blk.0.attn_q.bias" in tensor_names
+            else "none",
+            qk_norm=arch == "qwen3",
         )
     except ConfigError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
@@ -243,21 +271,32 @@ def _gguf_names(c: LlamaConfig, lazy: dict, where) -> dict:
         tensors[name] = lazy.pop(name)()
         return take_tensor(tensors, name, shape, where)
 
-    d, kv, f = c.width, c.kv_heads * c.head_width, c.ff_width
+    d, f, hd = c.width, c.ff_width, c.head_width
+    q, kv = c.heads * hd, c.kv_heads * hd
     state = {"embed_tokens.weight": take("token_embd.weight", (c.vocab_size, d))}
     for i in range(c.layers):
         g, ours = f"blk.{i}.", f"block.{i}."
-        for src, dst, shape in (
+        names = [
             ("attn_norm.weight", "attention_norm.weight", (d,)),
-            ("attn_q.weight", "attention.q_proj.weight", (d, d)),
+            ("attn_q.weight", "attention.q_proj.weight", (q, d)),
             ("attn_k.weight", "attention.k_proj.weight", (kv, d)),
             ("attn_v.weight", "attention.v_proj.weight", (kv, d)),
-            ("attn_output.weight", "attention.o_proj.weight", (d, d)),
+            ("attn_output.weight", "attention.o_proj.weight", (d, q)),
             ("ffn_norm.weight", "feed_forward_norm.weight", (d,)),
             ("ffn_gate.weight", "feed_forward.gate_proj.weight", (f, d)),
             ("ffn_up.weight", "feed_forward.up_proj.weight", (f, d)),
             ("ffn_down.weight", "feed_forward.down_proj.weight", (d, f)),
-        ):
+        ]
+        if c.attention_bias != "none":
+            names += [
+                (f"attn_{p}.bias", f"attention.{p}_proj.bias", (w,)) for p, w in zip("qkv", (q, kv, kv), strict=True)
+            ]
+        if c.attention_bias == "all":
+            names.append(("attn_output.bias", "attention.o_proj.bias", (d,)))
+        if c.qk_norm:
+            names += [("attn_q_norm.weight", "attention.q_norm.weight", (hd,))]
+            names += [("attn_k_norm.weight", "attention.k_norm.weight", (hd,))]
+        for src, dst, shape in names:
             state[ours + dst] = take(g + src, shape)
     state["final_norm.weight"] = take("output_norm.weight", (d,))
     if c.tie_embeddings:

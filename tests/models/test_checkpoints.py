@@ -633,9 +633,9 @@ def test_gguf_tokenizer_matches_the_trained_tokenizer(tmp_path, bpe):
 
 
 def test_gguf_unsupported_architecture(tmp_path, bpe):
-    path = tmp_path / "qwen.gguf"
-    write_gguf(path, gguf_llama(bpe), bpe, arch="qwen2")
-    with pytest.raises(ModelFileError, match=r"GGUF architecture 'qwen2' is not supported; supported: llama"):
+    path = tmp_path / "phi2.gguf"
+    write_gguf(path, gguf_llama(bpe), bpe, arch="phi2")
+    with pytest.raises(ModelFileError, match=r"GGUF architecture 'phi2' is not supported; supported: llama, qwen2"):
         import_checkpoint(path)
 
 
@@ -658,21 +658,15 @@ def test_truncated_gguf_file(tmp_path, bpe, keep):
         import_checkpoint(path)
 
 
-def _llama3_rope_freqs(writer):
-    # Llama 3.1-style GGUFs carry per-frequency divisors; llama.cpp applies them to every RoPE angle.
-    writer.add_tensor("rope_freqs.weight", np.array([1.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0], np.float32))
-
-
-def _linear_scaling(writer):
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    writer.add_rope_scaling_factor(4.0)
-
-
-@pytest.mark.parametrize("hook", [_llama3_rope_freqs, _linear_scaling], ids=["rope_freqs", "linear"])
-def test_gguf_rope_scaling_is_not_silently_dropped(tmp_path, bpe, hook):
+def test_gguf_rope_freqs_of_the_wrong_length_is_refused(tmp_path, bpe):
+    """Llama 3.1-style per-frequency divisors must give one per rotated pair (8 for a head width of 16)."""
     path = tmp_path / "scaled.gguf"
-    write_gguf(path, gguf_llama(bpe), bpe, hook=hook)
-    with pytest.raises(ModelFileError, match=r"rope|RoPE"):
+
+    def rope_freqs(writer):
+        writer.add_tensor("rope_freqs.weight", np.array([1.0, 2.0, 4.0], np.float32))
+
+    write_gguf(path, gguf_llama(bpe), bpe, hook=rope_freqs)
+    with pytest.raises(ModelFileError, match=r"rope_scaling\.factors: expected 8 factors \(one per rotated pair\), got 3"):
         import_checkpoint(path)
 
 
