@@ -101,12 +101,27 @@ def check_supported(family: str, config, lowering: str) -> None:
             f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
             f"export it with --lowering {DEFAULT_LOWERING}"
         )
+
     # Switches of the llama family whose attention the rewrite below does not rebuild (RoPE scaling and an
     # explicit head_dim it does: they change only the cos/sin caches and the projection widths).
+    def on(key, off=None):
+        return getattr(config, key, off) != off
+
     switches = {
-        "attention_bias": ("biases on the attention projections", getattr(config, "attention_bias", "none") != "none"),
-        "qk_norm": ("RMSNorm of queries and keys per head", getattr(config, "qk_norm", False)),
-        "sliding_window": ("sliding-window attention", getattr(config, "sliding_window", None) is not None),
+        "attention_bias": ("biases on the attention projections", on("attention_bias", "none")),
+        "qk_norm": ("RMSNorm of queries and keys", on("qk_norm", "none")),
+        "sliding_window": ("sliding-window attention", on("sliding_window")),
+        "norm_placement": (
+            "norms after the branches",
+            getattr(config, "norm_placement", "pre") in ("sandwich", "branch_post"),
+        ),
+        "rotary_dim": ("partial rotary embeddings", on("rotary_dim")),
+        "attention_scale": ("a scores scale other than 1/sqrt(head width)", on("attention_scale")),
+        "attention_softcap": ("soft-capped attention scores", on("attention_softcap")),
+        "residual_scale": ("scaled residual branches", on("residual_scale")),
+        "ffn_activation": ("a feed-forward other than SwiGLU", on("ffn_activation", "silu")),
+        "layer_types": ("layers that differ from each other", not getattr(config, "uniform_layers", True)),
+        "no_rope_layers": ("layers without RoPE", on("no_rope_layers")),
     }
     for key, (what, on) in switches.items():
         if on:

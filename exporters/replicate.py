@@ -42,14 +42,19 @@ REPLICABLE_FAMILIES = ("llama", "gpt")
 
 def replicable(family: str, config) -> bool:
     """Whether a `family` model of `config` is exported by tracing one block and replicating it."""
-    return family in REPLICABLE_FAMILIES and getattr(config, "layers", 1) > 1
+    # Layers that differ (alternating windows, layers without RoPE) are traced whole: one block cannot stand for all.
+    return (
+        family in REPLICABLE_FAMILIES and getattr(config, "layers", 1) > 1 and getattr(config, "uniform_layers", True)
+    )
 
 
 def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
     """(config with one block, its model with distinct random parameters and the real buffers)."""
     from models.registry import build_model
 
-    small_config = dataclasses.replace(config, layers=1)
+    # Per-layer lists keep their first entry (replicable configs have every layer alike).
+    per_layer = {k: getattr(config, k)[:1] for k in ("layer_types", "no_rope_layers") if getattr(config, k, None)}
+    small_config = dataclasses.replace(config, layers=1, **per_layer)
     small = build_model(family, small_config, init=False)
     generator = torch.Generator().manual_seed(seed)
     real_buffers = dict(model.named_buffers())

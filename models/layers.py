@@ -54,29 +54,38 @@ class Attention(nn.Module):
         rope_base=None,
         rope_pairing="interleaved",
         rope_scaling=None,
+        rotary_dim=None,
         head_width=None,
-        qk_norm_eps=None,
+        qk_norm="none",
+        eps=1e-5,
         sliding_window=None,
+        scale=None,
+        softcap=None,
     ):
         """bias: every projection has one; qkv_bias: q/k/v only (Qwen2). head_width: None is width / heads.
-        qk_norm_eps: RMSNorm each head's queries and keys before RoPE (Qwen3). sliding_window: keys at most
-        window - 1 positions before the query."""
+        rotary_dim: RoPE on that many leading dims of each head (None: all). qk_norm: RMSNorm (eps) of queries
+        and keys before RoPE, per head ("head": Qwen3, Gemma 3) or over all heads ("full": OLMo 2).
+        sliding_window: keys at most window - 1 positions before the query. scale: the scores' multiplier
+        (None: head_width ** -0.5). softcap: scores = softcap * tanh(scores / softcap)."""
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_width = head_width or width // heads
         self.causal, self.rope_pairing, self.sliding_window = causal, rope_pairing, sliding_window
+        self.rotary_dim = rotary_dim or self.head_width
+        self.scale, self.softcap = scale, softcap
         q_width, kv_width = self.heads * self.head_width, self.kv_heads * self.head_width
         self.q_proj = nn.Linear(width, q_width, bias=bias or qkv_bias)
         self.k_proj = nn.Linear(width, kv_width, bias=bias or qkv_bias)
         self.v_proj = nn.Linear(width, kv_width, bias=bias or qkv_bias)
         self.o_proj = nn.Linear(q_width, width, bias=bias)
-        if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(self.head_width, qk_norm_eps)
-            self.k_norm = RMSNorm(self.head_width, qk_norm_eps)
-        self.qk_norm = qk_norm_eps is not None
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            full = qk_norm == "full"
+            self.q_norm = RMSNorm(q_width if full else self.head_width, eps)
+            self.k_norm = RMSNorm(kv_width if full else self.head_width, eps)
         self.rope = rope_base is not None
         if self.rope:
-            inv_freq = rope_inverse_frequencies(self.head_width, rope_base, rope_scaling)
+            inv_freq = rope_inverse_frequencies(self.rotary_dim, rope_base, rope_scaling)
             self.register_buffer("inv_freq", inv_freq, persistent=False)
             self.rope_factor = rope_attention_factor(rope_scaling)
 
@@ -91,21 +100,22 @@ class Attention(nn.Module):
         B, T, d = x.shape
         source = x if memory is None else memory
         S = source.shape[1]
-        q = self.q_proj(x).view(B, T, self.heads, self.head_width).transpose(1, 2)  # (B, heads, T, head_width)
-        k = (
-            self.k_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)
-        )  # (B, kv_heads, S, head_width)
+        q, k = self.q_proj(x), self.k_proj(source)  # (B, T, heads * head_width), (B, S, kv_heads * head_width)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.heads, self.head_width).transpose(1, 2)  # (B, heads, T, head_width)
+        k = k.view(B, S, self.kv_heads, self.head_width).transpose(1, 2)  # (B, kv_heads, S, head_width)
         v = (
             self.v_proj(source).view(B, S, self.kv_heads, self.head_width).transpose(1, 2)
         )  # (B, kv_heads, S, head_width)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)  # over each head's head_width
         if past is not None:
             position_offset = position_offset + past[0].shape[2]
         if self.rope:
             positions = torch.arange(T, device=x.device) + position_offset if position_ids is None else position_ids
-            q = apply_rope(q, positions, self.inv_freq, self.rope_pairing, self.rope_factor)
-            k = apply_rope(k, positions, self.inv_freq, self.rope_pairing, self.rope_factor)
+            q = self._rotate(q, positions)
+            k = self._rotate(k, positions)
         if past is not None:
             k = torch.cat((past[0], k), dim=2)  # (B, kv_heads, T_past + T, head_width)
             v = torch.cat((past[1], v), dim=2)  # (B, kv_heads, T_past + T, head_width)
@@ -113,20 +123,42 @@ class Attention(nn.Module):
         if past_mask is not None:
             new = torch.ones(B, T, dtype=torch.bool, device=x.device)
             key_mask = torch.cat((past_mask.to(torch.bool), new), dim=1)  # (B, T_past + T)
-        out, probs = attention(q, k, v, causal=self.causal, key_mask=key_mask, window=self.sliding_window)
+        out, probs = attention(
+            q,
+            k,
+            v,
+            causal=self.causal,
+            key_mask=key_mask,
+            window=self.sliding_window,
+            scale=self.scale,
+            softcap=self.softcap,
+        )
         out = self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_width))  # (B, T, width)
         return (out, probs) if past is None else (out, probs, (k, v))
 
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first rotary_dim dims of each head; the rest pass through (partial rotary)."""
+        if self.rotary_dim == self.head_width:
+            return apply_rope(x, positions, self.inv_freq, self.rope_pairing, self.rope_factor)
+        rotated, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim :]  # (B, heads, T, rotary / rest)
+        return torch.cat((apply_rope(rotated, positions, self.inv_freq, self.rope_pairing, self.rope_factor), kept), -1)
+
 
 class SwiGLU(nn.Module):
-    def __init__(self, width: int, ff_width: int):
+    """down_proj(act(gate_proj x) * up_proj x): SwiGLU with SiLU, GeGLU with tanh-approximated GELU (Gemma)."""
+
+    def __init__(self, width: int, ff_width: int, activation: str = "silu"):
         super().__init__()
+        self.activation = activation
         self.gate_proj = nn.Linear(width, ff_width, bias=False)
         self.up_proj = nn.Linear(width, ff_width, bias=False)
         self.down_proj = nn.Linear(ff_width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if self.activation == "silu":
+            return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        gate = F.gelu(self.gate_proj(x), approximate="tanh")  # (B, T, ff_width)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class MLP(nn.Module):

@@ -73,6 +73,8 @@ def attention(
     causal: bool = True,
     key_mask: torch.Tensor | None = None,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(head_width) [+ causal mask]) v, returning (output, probabilities).
 
@@ -83,13 +85,17 @@ def attention(
     key_mask (B, T_k) additionally hides keys per row (padding in a batched cache).
     window: a query at position p sees keys at positions p - window < j <= p (sliding-window attention).
     Positions count the keys key_mask keeps, so left padding in a batched cache takes no place in the window.
+    scale: the scores' multiplier (None: head_width ** -0.5); softcap: scores = softcap * tanh(scores / softcap)
+    before the masks (Gemma 2).
     """
     _, heads, t_q, head_width = q.shape
     kv_heads, t_k = k.shape[1], k.shape[2]
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, T_k, head_width)
         v = v.repeat_interleave(heads // kv_heads, dim=1)  # (B, heads, T_k, head_width)
-    scores = (q @ k.transpose(-2, -1)) * (head_width**-0.5)  # (B, heads, T_q, T_k)
+    scores = (q @ k.transpose(-2, -1)) * (head_width**-0.5 if scale is None else scale)  # (B, heads, T_q, T_k)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         query_pos = torch.arange(t_q, device=q.device) + (t_k - t_q)
         key_pos = torch.arange(t_k, device=q.device)

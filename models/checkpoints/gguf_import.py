@@ -189,7 +189,7 @@ def _llama_config(fields: dict, arch: str, tensor_names, path: Path, rope_factor
             else "qkv"
             if "blk.0.attn_q.bias" in tensor_names
             else "none",
-            qk_norm=arch == "qwen3",
+            qk_norm="head" if arch == "qwen3" else "none",
         )
     except ConfigError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
@@ -293,7 +293,7 @@ def _gguf_names(c: LlamaConfig, lazy: dict, where) -> dict:
             ]
         if c.attention_bias == "all":
             names.append(("attn_output.bias", "attention.o_proj.bias", (d,)))
-        if c.qk_norm:
+        if c.qk_norm == "head":
             names += [("attn_q_norm.weight", "attention.q_norm.weight", (hd,))]
             names += [("attn_k_norm.weight", "attention.k_norm.weight", (hd,))]
         for src, dst, shape in names:

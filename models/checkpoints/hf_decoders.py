@@ -1,15 +1,27 @@
-"""Hugging Face decoders shaped like Llama: llama (Llama 1-3.x), mistral, qwen2 (Qwen2/2.5), qwen3.
+"""Hugging Face decoders shaped like Llama, as switches of the llama family (models/llama_config.py).
 
-Each is the llama family with switches (models/llama.py): explicit head_dim, RoPE scaling (linear, llama3,
-yarn; models/rope.py), attention biases (Qwen2's on q/k/v, Llama's and Qwen3's attention_bias on all four),
-Qwen3's per-head q/k RMSNorm, and a sliding window on every layer (Mistral; Qwen2/3 when every layer type is
-sliding). The math follows transformers' modeling_{llama,mistral,qwen2,qwen3}.py. Every config key is
-implemented, inert or refused (config_keys.KeyPolicy); layer types that differ between layers are refused.
+    llama      Llama 1-3.x: RoPE scaling (linear, llama3, yarn), head_dim, attention_bias
+    mistral    a sliding window on every layer
+    qwen2      q/k/v biases; sliding layers from layer_types (or use_sliding_window + max_window_layers)
+    qwen3      per-head q/k RMSNorm, attention_bias, head_dim
+    gemma2     GeGLU, (1 + w) norms, embeddings scaled by sqrt(width), sandwich norms, alternating sliding
+               layers, soft-capped scores and logits, query_pre_attn_scalar
+    gemma3_text  Gemma 2 without soft-capping, with per-head q/k norms and a local RoPE base on sliding layers
+    olmo2      norms after each branch only, q/k RMSNorm over all heads
+    granite    embedding, attention, residual and logits multipliers
+    phi3       fused qkv_proj and gate_up_proj, partial rotary, a sliding window
+    smollm3    layers without RoPE (no_rope_layers)
+
+The math follows transformers' modeling_*.py. Every config key is implemented, inert or refused
+(config_keys.KeyPolicy).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from artifact.errors import ConfigError, ModelFileError
 from models.checkpoints.config_keys import KeyPolicy, Only, is_int, is_number, refusal
@@ -23,9 +35,55 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
+GEMMA = ("gemma2", "gemma3_text")
 # RoPE types transformers computes from the sequence length at run time: refused by name.
 DYNAMIC_ROPE = {"dynamic": "dynamic NTK", "longrope": "LongRoPE's short/long factors"}
+# Keys each type reads beyond the common ones (hidden sizes, heads, eps, RoPE, tie, head_dim).
+TYPE_KEYS = {
+    "llama": {"attention_bias"},
+    "mistral": {"sliding_window"},
+    "qwen2": {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
+    "qwen3": {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "attention_bias"},
+    "gemma2": {
+        "sliding_window",
+        "layer_types",
+        "attention_bias",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "hidden_activation",
+    },
+    "olmo2": {"attention_bias"},
+    "granite": {
+        "attention_bias",
+        "embedding_multiplier",
+        "attention_multiplier",
+        "residual_multiplier",
+        "logits_scaling",
+    },
+    "phi3": {"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"},
+    "smollm3": {"attention_bias", "sliding_window", "use_sliding_window", "layer_types", "no_rope_layers"},
+}
+TYPE_KEYS["gemma3_text"] = (TYPE_KEYS["gemma2"] | {"_sliding_window_pattern", "sliding_window_pattern"}) - {
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+}
+# Inert per type: dropout (the identity at inference), keys that only derive others already read.
+TYPE_INERT = {
+    "phi3": {"resid_pdrop", "embd_pdrop"},
+    # Only used to fill no_rope_layers when the file does not list them; the list is read.
+    "smollm3": {"no_rope_layer_interval"},
+    # Gemma 3: bidirectional attention is an option of its image model; the text model checks it is off below.
+    "gemma3_text": {"use_bidirectional_attention"},
+    "gemma2": {"use_bidirectional_attention"},
+}
 
 
 def _no_window(value, raw, ours) -> bool:
@@ -50,6 +108,7 @@ def decoder_key_policy(model_type: str, inert: frozenset, common_only: dict) -> 
         "rope_scaling",
         "tie_word_embeddings",
         "head_dim",
+        *TYPE_KEYS[model_type],
     }
     only = {
         "hidden_act": Only(lambda v, raw, ours: v == "silu", '"silu"'),
@@ -61,10 +120,10 @@ def decoder_key_policy(model_type: str, inert: frozenset, common_only: dict) -> 
         "mlp_bias": Only(lambda v, raw, ours: v is None or v is False, "false (no biases in the MLP)"),
         **common_only,
     }
-    # Slices each projection into pretraining_tp pieces and sums them: the same function.
-    extra_inert = {"pretraining_tp"}
+    if model_type in GEMMA:
+        only["hidden_act"] = Only(lambda v, raw, ours: v in (None, "gelu_pytorch_tanh"), 'null or "gelu_pytorch_tanh"')
+        only["use_bidirectional_attention"] = Only(lambda v, raw, ours: not v, "false or null (causal attention)")
     if model_type == "llama":
-        implemented.add("attention_bias")
         # LlamaForCausalLM has no window: a config that gives one was written for another architecture.
         only["sliding_window"] = Only(
             _no_window, lambda raw, ours: f"null or >= max_position_embeddings = {ours.max_positions} (no window)"
@@ -73,86 +132,115 @@ def decoder_key_policy(model_type: str, inert: frozenset, common_only: dict) -> 
             lambda v, raw, ours: v is False or _no_window(raw.get("sliding_window"), {}, ours),
             lambda raw, ours: f"false, or a sliding_window >= max_position_embeddings = {ours.max_positions}",
         )
-    elif model_type == "mistral":
-        implemented.add("sliding_window")
-    else:  # qwen2, qwen3
-        implemented |= {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
-        if model_type == "qwen3":
-            implemented.add("attention_bias")
-    return KeyPolicy(model_type, frozenset(implemented), only, inert | extra_inert)
+    # Slices each projection into pretraining_tp pieces and sums them: the same function.
+    extra_inert = {"pretraining_tp", *TYPE_INERT.get(model_type, ())}
+    for key in implemented:
+        only.pop(key, None)
+    return KeyPolicy(model_type, frozenset(implemented), only, (inert | extra_inert) - frozenset(only))
 
 
-def _rope(hf: dict, where: Path, model_type: str) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling) from transformers 5's rope_parameters or 4's rope_scaling + rope_theta."""
-    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
-    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
-        if value is not None and not isinstance(value, dict):
-            raise refusal(where, key, value, model_type, "an object with rope_type and its parameters")
-    # transformers 5 (convert_rope_params_to_dict): a legacy rope_scaling replaces rope_parameters whole, and
-    # rope_theta and partial_rotary_factor come from the top level where the dict does not give them.
-    merged = dict(legacy or params or {})
-    if any(isinstance(v, dict) for v in merged.values()):
-        raise refusal(where, "rope_parameters", merged, model_type, "one RoPE for every layer (not per layer type)")
+def _rope_dict(value: dict, hf: dict, where: Path, model_type: str) -> tuple[float, dict | None, float | None]:
+    """(rope_theta, our rope_scaling, partial_rotary_factor) of one RoPE parameter dict."""
+    merged = dict(value)
     theta = merged.pop("rope_theta", hf.get("rope_theta", 10000.0))
     if not is_number(theta) or theta <= 0:
         raise refusal(where, "rope_theta", theta, model_type, "a positive number")
     kind = merged.pop("rope_type", None) or merged.pop("type", "default")
     merged.pop("type", None)
     partial = merged.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise refusal(where, "partial_rotary_factor", partial, model_type, "null or 1.0 (RoPE on every dimension)")
-    if kind in DYNAMIC_ROPE or kind not in ROPE_TYPES:
+    if kind in DYNAMIC_ROPE or kind not in ROPE_TYPES or kind == "factors":
         why = f" ({DYNAMIC_ROPE[kind]} change with the sequence length at run time)" if kind in DYNAMIC_ROPE else ""
-        raise refusal(where, "rope_type", kind, model_type, f"{', '.join(ROPE_TYPES)}{why}")
+        raise refusal(where, "rope_type", kind, model_type, f"default, linear, llama3, yarn{why}")
     if kind == "default":
         if merged:
             key = sorted(merged)[0]
             raise refusal(
                 where, f"rope_parameters.{key}", merged[key], model_type, 'nothing else with rope_type "default"'
             )
-        return float(theta), None
+        return float(theta), None, partial
     if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in merged:
         # transformers' standardize_rope_params: the top-level key (Phi-3 style), else the context.
         merged["original_max_position_embeddings"] = hf.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings")
         )
-    return float(theta), {"rope_type": kind, **merged}
+    return float(theta), {"rope_type": kind, **merged}, partial
 
 
-def _window(hf: dict, where: Path, model_type: str, layers) -> int | None:
-    """The sliding window every layer uses, or None; per-layer windows are refused."""
+def _rope(hf: dict, where: Path, model_type: str) -> dict:
+    """Our RoPE fields from transformers 5's rope_parameters (flat, or per layer type for Gemma 3) or 4's
+    rope_scaling + rope_theta. A legacy rope_scaling replaces rope_parameters whole, as transformers 5 does."""
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise refusal(where, key, value, model_type, "an object with rope_type and its parameters")
+    chosen = dict(legacy or params or {})
+    nested = {k: v for k, v in chosen.items() if isinstance(v, dict)}
+    local = None
+    if nested:
+        if (
+            model_type != "gemma3_text"
+            or set(nested) != {"full_attention", "sliding_attention"}
+            or len(nested) != len(chosen)
+        ):
+            raise refusal(where, "rope_parameters", chosen, model_type, "one RoPE for every layer")
+        theta, scaling, partial = _rope_dict(chosen["full_attention"], hf, where, model_type)
+        local, local_scaling, _ = _rope_dict(chosen["sliding_attention"], {}, where, model_type)
+        if local_scaling is not None:
+            raise refusal(
+                where, "rope_parameters.sliding_attention", chosen["sliding_attention"], model_type, "unscaled"
+            )
+    else:
+        theta, scaling, partial = _rope_dict(chosen, hf, where, model_type)
+        if model_type == "gemma3_text" and hf.get("rope_local_base_freq") is not None:
+            local = hf["rope_local_base_freq"]
+    rotary = None
+    if partial not in (None, 1, 1.0):
+        if model_type != "phi3" or not is_number(partial) or not 0 < partial < 1:
+            raise refusal(where, "partial_rotary_factor", partial, model_type, "null or 1.0 (RoPE on every dimension)")
+        head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        rotary = int(head * partial)  # transformers: int(head_dim * partial_rotary_factor)
+    return {"rope_base": theta, "rope_scaling": scaling, "local_rope_base": local, "rotary_dim": rotary}
+
+
+def _layer_types(hf: dict, where: Path, model_type: str, layers) -> tuple[list | None, int | None]:
+    """(layer_types or None when every layer is alike, sliding_window)."""
     window = hf.get("sliding_window")
-    if model_type == "mistral":
-        return window
-    if model_type == "llama":
-        return None  # only a window the key policy accepts (no window at all) gets here
+    if model_type in ("mistral", "phi3"):
+        return None, window  # every layer
+    if model_type in ("llama", "olmo2", "granite"):
+        return None, None  # only a window the key policy accepts (no window at all) gets here
     types = hf.get("layer_types")
-    if types is None:  # transformers 4 files: derived as Qwen2Config derives it
-        use = hf.get("use_sliding_window", False) is True and window is not None
-        first = hf.get("max_window_layers", 28)
-        if not is_int(first) or not is_int(layers):
-            raise refusal(where, "max_window_layers", first, model_type, "an integer")
-        types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(layers)]
+    if types is None:  # transformers 4 files: derived as the config classes derive them
+        if model_type in ("qwen2", "qwen3", "smollm3"):
+            use = hf.get("use_sliding_window", False) is True and window is not None
+            first = hf.get("max_window_layers", 28) if model_type != "smollm3" else 0
+            if not is_int(first) or not is_int(layers):
+                raise refusal(where, "max_window_layers", first, model_type, "an integer")
+            types = ["sliding_attention" if use and i >= first else "full_attention" for i in range(layers)]
+        else:  # gemma2: alternating from layer 0; gemma3: every pattern-th layer full
+            pattern = hf.get(
+                "sliding_window_pattern", hf.get("_sliding_window_pattern", 2 if model_type == "gemma2" else 6)
+            )
+            if not is_int(pattern) or pattern < 1 or not is_int(layers):
+                raise refusal(where, "sliding_window_pattern", pattern, model_type, "a positive integer")
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     if not isinstance(types, list) or not is_int(layers) or len(types) != layers:
         raise refusal(where, "layer_types", types, model_type, f"a list of num_hidden_layers = {layers} layer types")
-    kinds = set(types)
-    if not kinds <= {"full_attention", "sliding_attention"}:
+    if not set(types) <= {"full_attention", "sliding_attention"}:
         raise refusal(where, "layer_types", types, model_type, '"full_attention" and "sliding_attention"')
-    if kinds == {"full_attention"}:
-        return None
-    if len(kinds) > 1:
-        raise refusal(
-            where, "layer_types", types, model_type, "the same type on every layer (per-layer windows are not built)"
-        )
+    if "sliding_attention" not in types:
+        return None, None
     if window is None:
         raise refusal(where, "sliding_window", window, model_type, "a window for the sliding_attention layers")
-    return window
+    if set(types) == {"sliding_attention"}:
+        return None, window  # every layer alike: the window applies to all
+    return types, window
 
 
 def _bias(hf: dict, where: Path, model_type: str) -> str:
     if model_type == "qwen2":
         return "qkv"  # Qwen2Attention: q/k/v projections with bias, o_proj without
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return "none"
     value = hf.get("attention_bias", False)
     if not isinstance(value, bool):
@@ -160,19 +248,60 @@ def _bias(hf: dict, where: Path, model_type: str) -> str:
     return "all" if value else "none"
 
 
+def _number(hf: dict, key: str, where: Path, model_type: str, default=None):
+    value = hf.get(key, default)
+    if value is not None and (not is_number(value) or value <= 0):
+        raise refusal(where, key, value, model_type, "a positive number")
+    return None if value is None else float(value)
+
+
+def _type_switches(hf: dict, where: Path, model_type: str, width) -> dict:
+    """The switches a model type always has, and those its multipliers and caps set."""
+    if model_type in GEMMA:
+        scalar = _number(hf, "query_pre_attn_scalar", where, model_type, 256)
+        return {
+            "norm_placement": "sandwich",
+            "ffn_activation": "gelu_tanh",
+            # transformers multiplies by sqrt(width) rounded to float32, so the float64 model does too.
+            "embedding_scale": float(np.float32(width**0.5)),
+            "attention_scale": scalar**-0.5,
+            "attention_softcap": _number(hf, "attn_logit_softcapping", where, model_type),
+            "final_softcap": _number(hf, "final_logit_softcapping", where, model_type),
+            "qk_norm": "head" if model_type == "gemma3_text" else "none",
+        }
+    if model_type == "olmo2":
+        return {"norm_placement": "branch_post", "qk_norm": "full"}
+    if model_type == "qwen3":
+        return {"qk_norm": "head"}
+    if model_type == "granite":
+        return {
+            "embedding_scale": _number(hf, "embedding_multiplier", where, model_type, 1.0),
+            "attention_scale": _number(hf, "attention_multiplier", where, model_type, 1.0),
+            "residual_scale": _number(hf, "residual_multiplier", where, model_type, 1.0),
+            "logits_scale": _number(hf, "logits_scaling", where, model_type, 1.0),
+        }
+    if model_type == "smollm3":
+        flags = hf.get("no_rope_layers")
+        if flags is not None and (not isinstance(flags, list) or not all(f in (0, 1) for f in flags)):
+            raise refusal(where, "no_rope_layers", flags, model_type, "a list of 0/1 flags, one per layer")
+        return {"no_rope_layers": None if flags is None or all(flags) else list(flags)}
+    return {}
+
+
 def decoder_config(hf: dict, where: Path, model_type: str, tie) -> LlamaConfig:
-    theta, scaling = _rope(hf, where, model_type)
-    heads, layers = hf.get("num_attention_heads"), hf.get("num_hidden_layers")
     for key in ("vocab_size", "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
         if hf.get(key) is None:
             raise ModelFileError(f"{where}: missing {key!r}")
-    window = _window(hf, where, model_type, layers)
+    rope = _rope(hf, where, model_type)
+    layers = hf["num_hidden_layers"]
+    types, window = _layer_types(hf, where, model_type, layers)
     max_positions = hf.get("max_position_embeddings") or 2048
-    if window is not None and is_int(window) and is_int(max_positions) and window >= max_positions:
+    if types is None and window is not None and is_int(window) and is_int(max_positions) and window >= max_positions:
         window = None  # never masks anything within the context
     eps = hf.get("rms_norm_eps") or 1e-6
     if not is_number(eps):
         raise refusal(where, "rms_norm_eps", eps, model_type, "a number")
+    heads = hf["num_attention_heads"]
     try:
         return LlamaConfig(
             vocab_size=hf["vocab_size"],
@@ -182,38 +311,78 @@ def decoder_config(hf: dict, where: Path, model_type: str, tie) -> LlamaConfig:
             kv_heads=hf.get("num_key_value_heads") or heads,
             ff_width=hf["intermediate_size"],
             max_positions=max_positions,
-            rope_base=theta,
             eps=float(eps),
             tie_embeddings=tie,
             rope_pairing="half",  # Hugging Face rotates (i, i + head_width/2)
             head_dim=hf.get("head_dim"),
-            rope_scaling=scaling,
             attention_bias=_bias(hf, where, model_type),
-            qk_norm=model_type == "qwen3",
             sliding_window=window,
+            layer_types=types,
+            **rope,
+            **_type_switches(hf, where, model_type, hf["hidden_size"]),
         )
     except (ConfigError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{where}: {exc}") from None
 
 
-def decoder_names(c: LlamaConfig, tensors: dict, where) -> dict:
+def _split(tensors: dict, name: str, shape: tuple, parts: dict, where) -> None:
+    """Phi-3's fused projections: rows of `name` split into `parts` ({new name: rows}), in order."""
+    fused = take_tensor(tensors, name, shape, where)
+    start = 0
+    for part, rows in parts.items():
+        tensors[part] = fused[start : start + rows]
+        start += rows
+
+
+def decoder_names(c: LlamaConfig, tensors: dict, where, model_type: str = "llama") -> dict:
     """transformers' tensor names (model.layers.{i}.self_attn.q_proj ...) to ours, shapes from the config."""
     d, f, hd = c.width, c.ff_width, c.head_width
     q, kv = c.heads * hd, c.kv_heads * hd
     state = {"embed_tokens.weight": take_tensor(tensors, "model.embed_tokens.weight", (c.vocab_size, d), where)}
+    norm_names = {
+        "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+        "sandwich": (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ),
+        "branch_post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),
+    }[c.norm_placement]
     for i in range(c.layers):
         hf, ours = f"model.layers.{i}.", f"block.{i}."
+        if model_type == "phi3":
+            a = "self_attn."
+            _split(
+                tensors,
+                f"{hf}{a}qkv_proj.weight",
+                (q + 2 * kv, d),
+                {f"{hf}{a}{p}_proj.weight": w for p, w in zip("qkv", (q, kv, kv), strict=True)},
+                where,
+            )
+            _split(
+                tensors,
+                f"{hf}mlp.gate_up_proj.weight",
+                (2 * f, d),
+                {f"{hf}mlp.gate_proj.weight": f, f"{hf}mlp.up_proj.weight": f},
+                where,
+            )
         names = [
-            ("input_layernorm.weight", "attention_norm.weight", (d,)),
             ("self_attn.q_proj.weight", "attention.q_proj.weight", (q, d)),
             ("self_attn.k_proj.weight", "attention.k_proj.weight", (kv, d)),
             ("self_attn.v_proj.weight", "attention.v_proj.weight", (kv, d)),
             ("self_attn.o_proj.weight", "attention.o_proj.weight", (d, q)),
-            ("post_attention_layernorm.weight", "feed_forward_norm.weight", (d,)),
             ("mlp.gate_proj.weight", "feed_forward.gate_proj.weight", (f, d)),
             ("mlp.up_proj.weight", "feed_forward.up_proj.weight", (f, d)),
             ("mlp.down_proj.weight", "feed_forward.down_proj.weight", (d, f)),
         ]
+        for theirs, mine in zip(
+            norm_names,
+            ("attention_norm", "attention_post_norm", "feed_forward_norm", "feed_forward_post_norm"),
+            strict=True,
+        ):
+            if theirs is not None:
+                names.append((f"{theirs}.weight", f"{mine}.weight", (d,)))
         if c.attention_bias != "none":
             names += [
                 (f"self_attn.{p}_proj.bias", f"attention.{p}_proj.bias", (w,))
@@ -221,10 +390,16 @@ def decoder_names(c: LlamaConfig, tensors: dict, where) -> dict:
             ]
         if c.attention_bias == "all":
             names.append(("self_attn.o_proj.bias", "attention.o_proj.bias", (d,)))
-        if c.qk_norm:
-            names += [("self_attn.q_norm.weight", "attention.q_norm.weight", (hd,))]
-            names += [("self_attn.k_norm.weight", "attention.k_norm.weight", (hd,))]
+        if c.qk_norm != "none":
+            full = c.qk_norm == "full"
+            names += [("self_attn.q_norm.weight", "attention.q_norm.weight", (q if full else hd,))]
+            names += [("self_attn.k_norm.weight", "attention.k_norm.weight", (kv if full else hd,))]
         for src, dst, shape in names:
             state[ours + dst] = take_tensor(tensors, hf + src, shape, where)
     state["final_norm.weight"] = take_tensor(tensors, "model.norm.weight", (d,), where)
+    if model_type in GEMMA:
+        # Gemma's RMSNorm multiplies by (1 + weight), computed in float32: stored here as that sum.
+        for name, tensor in state.items():
+            if name.endswith("norm.weight"):
+                state[name] = (1.0 + tensor.to(torch.float32)).to(tensor.dtype)
     return state

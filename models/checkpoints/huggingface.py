@@ -173,7 +173,11 @@ def import_huggingface(directory: Path) -> ImportedCheckpoint:
     model_type = hf.get("model_type")
     if model_type in ARCHITECTURES:
         config = decoder_config(hf, config_path, model_type, _tie(hf, False, config_path, model_type))
-        family, expected, keys = "llama", _decoder_names, DECODER_KEYS[model_type]
+        family, keys = "llama", DECODER_KEYS[model_type]
+
+        def expected(c, tensors, where):
+            return _decoder_names(c, tensors, where, model_type)
+
     elif model_type == "gpt2":
         family, config, expected, keys = "gpt", _gpt2_config(hf, config_path), _gpt2_names, GPT2_KEYS
     else:
@@ -230,8 +234,8 @@ def _gpt2_config(hf: dict, where: Path) -> GPTConfig:
         raise ModelFileError(f"{where}: {exc}") from None
 
 
-def _decoder_names(c: LlamaConfig, tensors: dict, where) -> dict:
-    state = decoder_names(c, tensors, where)
+def _decoder_names(c: LlamaConfig, tensors: dict, where, model_type: str) -> dict:
+    state = decoder_names(c, tensors, where, model_type)
     _take_lm_head(state, tensors, c, where)
     return finish_state(state, tensors, where)
 

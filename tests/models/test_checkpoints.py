@@ -666,7 +666,9 @@ def test_gguf_rope_freqs_of_the_wrong_length_is_refused(tmp_path, bpe):
         writer.add_tensor("rope_freqs.weight", np.array([1.0, 2.0, 4.0], np.float32))
 
     write_gguf(path, gguf_llama(bpe), bpe, hook=rope_freqs)
-    with pytest.raises(ModelFileError, match=r"rope_scaling\.factors: expected 8 factors \(one per rotated pair\), got 3"):
+    with pytest.raises(
+        ModelFileError, match=r"rope_scaling\.factors: expected 8 factors \(one per rotated pair\), got 3"
+    ):
         import_checkpoint(path)
 
 

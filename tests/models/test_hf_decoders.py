@@ -69,11 +69,55 @@ CASES = {
         dict(attention_bias="qkv", sliding_window=5),
     ),
     "qwen2.5-yarn": ("Qwen2Config", dict(rope_parameters=YARN), dict(rope_scaling="yarn", attention_bias="qkv")),
-    "qwen3": ("Qwen3Config", dict(head_dim=8, rope_theta=100.0), dict(qk_norm=True, head_width=8)),
+    "qwen3": ("Qwen3Config", dict(head_dim=8, rope_theta=100.0), dict(qk_norm="head", head_width=8)),
+    "qwen2-mixed-windows": (
+        "Qwen2Config",
+        dict(rope_theta=100.0, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+        dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"], sliding_window=5),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=100.0
+        ),
+        dict(norm_placement="sandwich", ffn_activation="gelu_tanh", attention_softcap=2.0, final_softcap=3.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=8,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+        dict(qk_norm="head", local_rope_base=100.0, rope_scaling="linear", attention_scale=12**-0.5),
+    ),
+    "olmo2": ("Olmo2Config", dict(rope_theta=100.0), dict(norm_placement="branch_post", qk_norm="full")),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            rope_theta=100.0,
+            embedding_multiplier=2.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.5,
+            logits_scaling=4.0,
+        ),
+        dict(embedding_scale=2.0, attention_scale=0.3, residual_scale=0.5, logits_scale=4.0),
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(hidden_size=48, rope_theta=100.0, partial_rotary_factor=0.5, sliding_window=WINDOW),
+        dict(rotary_dim=4, sliding_window=5),
+    ),
+    "smollm3": ("SmolLM3Config", dict(rope_theta=100.0, no_rope_layers=[1, 0, 1]), dict(no_rope_layers=[1, 0, 1])),
     "qwen3-bias": (
         "Qwen3Config",
         dict(head_dim=12, rope_theta=100.0, attention_bias=True, tie_word_embeddings=True),
-        dict(qk_norm=True, attention_bias="all", head_width=12),
+        dict(qk_norm="head", attention_bias="all", head_width=12),
     ),
 }
 
@@ -108,7 +152,7 @@ def randomize(model, seed):
 
 def build(name, tok, directory):
     cls, keys, _ = CASES[name]
-    config = getattr(transformers, cls)(vocab_size=tok.get_vocab_size(), **COMMON, **keys)
+    config = getattr(transformers, cls)(vocab_size=tok.get_vocab_size(), **{**COMMON, **keys})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = randomize(transformers.AutoModelForCausalLM.from_config(config), sum(map(ord, name)))
@@ -207,7 +251,7 @@ def test_rope_scaling_and_head_dim_through_every_lowering(tokenizer, tmp_path, l
 
 
 @pytest.mark.parametrize(
-    "name,switch", [("qwen3", "qk_norm=True"), ("mistral", "sliding_window=5"), ("qwen2", "attention_bias='qkv'")]
+    "name,switch", [("qwen3", "qk_norm='head'"), ("mistral", "sliding_window=5"), ("qwen2", "attention_bias='qkv'")]
 )
 @pytest.mark.parametrize("lowering", ["standard", "ort"])
 def test_lowering_refuses_a_switch_it_does_not_rebuild(tokenizer, tmp_path, name, switch, lowering):
@@ -233,12 +277,12 @@ def save_config(tokenizer, tmp_path, cls, **keys):
     [
         ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic NTK"),
         (
-            "Qwen2Config",
-            dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-            "layer_types=",
+            "Phi3Config",
+            dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
+            "LongRoPE",
         ),
     ],
-    ids=["dynamic-rope", "per-layer-window"],
+    ids=["dynamic-rope", "longrope"],
 )
 def test_switches_not_built_are_refused_by_name(tokenizer, tmp_path, cls, keys, message):
     directory = save_config(tokenizer, tmp_path, cls, **keys)

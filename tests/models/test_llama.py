@@ -529,7 +529,10 @@ def test_build_model_returns_eval_mode():
         (dict(rope_base=-10.0), r"BlockConfig\.rope_base: expected a number > 0(\.0)?, got -10\.0"),
         (dict(rope_base=float("inf")), r"BlockConfig\.rope_base: expected a finite number, got inf"),
         (dict(rope_base=float("nan")), r"BlockConfig\.rope_base: expected a finite number, got nan"),
-        (dict(norm_placement="middle"), r"BlockConfig\.norm_placement: expected one of 'pre', 'post', got 'middle'"),
+        (
+            dict(norm_placement="middle"),
+            r"BlockConfig\.norm_placement: expected one of 'pre', 'post', 'sandwich', 'branch_post', got 'middle'",
+        ),
         (dict(norm_placement="Pre"), r"BlockConfig\.norm_placement: .*got 'Pre'"),
         (dict(rope_pairing="neox"), r"BlockConfig\.rope_pairing: expected one of 'interleaved', 'half', got 'neox'"),
     ],
