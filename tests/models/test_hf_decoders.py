@@ -49,7 +49,7 @@ LLAMA3 = {
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL, "rope_theta": 500.0}
 # name: (config class, keys, what our config must say)
 CASES = {
-    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3), dict(rope_scaling="llama3")),
+    "llama3": ("LlamaConfig", dict(rope_parameters=LLAMA3, head_dim=8), dict(rope_scaling="llama3", head_width=8)),
     "llama-linear": (
         "LlamaConfig",
         dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 300.0}, tie_word_embeddings=True),
@@ -150,9 +150,9 @@ def randomize(model, seed):
     return model.eval()
 
 
-def build(name, tok, directory):
+def build(name, tok, directory, **overrides):
     cls, keys, _ = CASES[name]
-    config = getattr(transformers, cls)(vocab_size=tok.get_vocab_size(), **{**COMMON, **keys})
+    config = getattr(transformers, cls)(vocab_size=tok.get_vocab_size(), **{**COMMON, **keys, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = randomize(transformers.AutoModelForCausalLM.from_config(config), sum(map(ord, name)))
@@ -260,6 +260,20 @@ def test_lowering_refuses_a_switch_it_does_not_rebuild(tokenizer, tmp_path, name
     result = invoke("export", "--from", directory, "--out", tmp_path / "artifact", "--lowering", lowering)
     assert_user_error(result, f"lowering '{lowering}' does not rebuild", switch, "--lowering functions")
     assert not (tmp_path / "artifact").exists()
+
+
+def test_quantize_check_and_generate_a_gemma3_export(tokenizer, tmp_path):
+    """The rest of the path on the switch-heaviest family: 8-bit weights (block 32, so widths of 64), check of
+    the quantized artifact against its own dequantized float64 model, and generation from it."""
+    build("gemma3", tokenizer, tmp_path / "hf", hidden_size=64, num_attention_heads=4, intermediate_size=96, head_dim=16)
+    result = invoke("export", "--from", tmp_path / "hf", "--out", tmp_path / "float")
+    assert result.exit_code == 0, result.output
+    result = invoke("quantize", tmp_path / "float", "--bits", 8, "--out", tmp_path / "q8", "--greedy-tokens", 8)
+    assert result.exit_code == 0, result.output
+    check = invoke("check", tmp_path / "q8", "--backends", "eager,ort-cpu", "--decode-steps", 2)
+    assert check.exit_code == 0, check.output
+    generated = invoke("generate", tmp_path / "q8", "--prompt", "the quick", "--max-new-tokens", 6)
+    assert generated.exit_code == 0 and generated.stdout.strip(), generated.output
 
 
 # --------------------------------------------------------------------------- refusals
