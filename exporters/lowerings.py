@@ -112,9 +112,11 @@ def check_supported(family: str, config, lowering: str) -> None:
         "qk_norm": ("RMSNorm of queries and keys", on("qk_norm", "none")),
         "sliding_window": ("sliding-window attention", on("sliding_window")),
         "norm_placement": (
-            "norms after the branches",
-            getattr(config, "norm_placement", "pre") in ("sandwich", "branch_post"),
+            "norms after the branches or a parallel residual",
+            getattr(config, "norm_placement", "pre") in ("sandwich", "branch_post", "parallel"),
         ),
+        "norm": ("LayerNorm", on("norm", "rmsnorm")),
+        "ffn_gated": ("a plain MLP", not getattr(config, "ffn_gated", True)),
         "rotary_dim": ("partial rotary embeddings", on("rotary_dim")),
         "attention_scale": ("a scores scale other than 1/sqrt(head width)", on("attention_scale")),
         "attention_softcap": ("soft-capped attention scores", on("attention_softcap")),

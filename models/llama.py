@@ -4,6 +4,7 @@ Pre-norm (default):  h = x + attn(norm_a(x));                 y = h + ffn(norm_f
 Post-norm (2017):    h = norm_a(x + attn(x));                 y = norm_f(h + ffn(h))
 Sandwich (Gemma 2):  h = x + post_a(attn(norm_a(x)));         y = h + post_f(ffn(norm_f(h)))
 Branch post (OLMo 2): h = x + post_a(attn(x));                y = h + post_f(ffn(h))
+Parallel (GPT-NeoX): y = x + attn(norm_a(x)) + ffn(norm_f(x))
 Granite scales each branch by residual_scale before the add. The configs are in models/llama_config.py.
 """
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from artifact.errors import InputError
-from models.layers import Attention, Block, RMSNorm, SwiGLU, past_length, run_stack
+from models.layers import MLP, Attention, Block, SwiGLU, make_norm, past_length, run_stack
 from models.llama_config import (
     BLOCK_STAGES,
     BRANCH_POST_STAGES,
@@ -47,7 +48,7 @@ class LlamaBlock(Block):
         layer = config.layer_attention(index)
         # Definition order fixes parameter order: norm_a, q, k, v, o, [post_a], norm_f, gate, up, down, [post_f].
         if self.placement != "branch_post":
-            self.attention_norm = RMSNorm(config.width, config.eps)
+            self.attention_norm = make_norm(config.norm, config.width, config.eps)
         self.attention = Attention(
             config.width,
             config.heads,
@@ -67,12 +68,15 @@ class LlamaBlock(Block):
             softcap=config.attention_softcap,
         )
         if self.placement in ("sandwich", "branch_post"):
-            self.attention_post_norm = RMSNorm(config.width, config.eps)
+            self.attention_post_norm = make_norm(config.norm, config.width, config.eps)
         if self.placement != "branch_post":
-            self.feed_forward_norm = RMSNorm(config.width, config.eps)
-        self.feed_forward = SwiGLU(config.width, config.ff_width, config.ffn_activation)
+            self.feed_forward_norm = make_norm(config.norm, config.width, config.eps)
+        if config.ffn_gated:
+            self.feed_forward = SwiGLU(config.width, config.ff_width, config.ffn_activation)
+        else:
+            self.feed_forward = MLP(config.width, config.ff_width, config.ffn_activation, bias=True)
         if self.placement in ("sandwich", "branch_post"):
-            self.feed_forward_post_norm = RMSNorm(config.width, config.eps)
+            self.feed_forward_post_norm = make_norm(config.norm, config.width, config.eps)
 
     def forward(
         self, x: torch.Tensor, position_offset: int = 0, past=None, past_mask=None, position_ids=None
@@ -82,6 +86,8 @@ class LlamaBlock(Block):
         B, T, d = x.shape
         scale = self.config.residual_scale
         stages: dict[str, torch.Tensor] = {}
+        if self.placement == "parallel":
+            return self._parallel(x, position_offset, past, past_mask, position_ids)
         # Attention sub-layer: x + post_a(attn(norm_a(x))), each part where the placement has it.
         h = x
         if self.placement != "branch_post":
@@ -105,6 +111,18 @@ class LlamaBlock(Block):
         if scale is not None:
             branch = branch * scale
         stages.update(feed_forward_branch=branch, output=h + branch)
+        return stages
+
+    def _parallel(self, x, position_offset, past, past_mask, position_ids) -> dict[str, torch.Tensor]:
+        """GPT-NeoX's parallel residual: both branches read the block input x."""
+        a = self.attention_norm(x)
+        attention, weights, *present = self.attention(a, None, position_offset, past, past_mask, position_ids)
+        f = self.feed_forward_norm(x)
+        branch = self.feed_forward(f)
+        stages = dict(attention_norm=a, attention_weights=weights, attention_branch=attention)
+        stages.update(feed_forward_norm=f, feed_forward_branch=branch, output=x + attention + branch)
+        if present:
+            stages["present.key"], stages["present.value"] = present[0]
         return stages
 
 
@@ -138,7 +156,7 @@ class LlamaDecoder(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.width)
         self.block = nn.ModuleList([LlamaBlock(config, i) for i in range(config.layers)])
-        self.final_norm = RMSNorm(config.width, config.eps)
+        self.final_norm = make_norm(config.norm, config.width, config.eps)
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

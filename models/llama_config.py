@@ -17,9 +17,11 @@ BLOCK_STAGES = stage_names("pre", cross=False)
 POST_NORM_STAGES = stage_names("post", cross=False)
 # OLMo 2 normalises each branch's output only: no norm before the branches.
 BRANCH_POST_STAGES = tuple(s for s in BLOCK_STAGES if s not in ("attention_norm", "feed_forward_norm"))
+# GPT-NeoX's parallel residual: both branches read the block input, no residual stream between them.
+PARALLEL_STAGES = tuple(s for s in BLOCK_STAGES if s != "after_attention")
 # pre: x + f(norm(x)); post: norm(x + f(x)); sandwich: x + post_norm(f(norm(x))) (Gemma 2/3);
-# branch_post: x + post_norm(f(x)) (OLMo 2).
-NORM_PLACEMENTS = ("pre", "post", "sandwich", "branch_post")
+# branch_post: x + post_norm(f(x)) (OLMo 2); parallel: x + attn(norm_a(x)) + ffn(norm_f(x)) (GPT-NeoX).
+NORM_PLACEMENTS = ("pre", "post", "sandwich", "branch_post", "parallel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -49,7 +51,9 @@ class BlockConfig(v.ConfigFields):
     attention_scale: float | None = None  # scores multiplier; None: head_width ** -0.5 (Gemma, Granite)
     attention_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
     residual_scale: float | None = None  # h = x + scale * branch (Granite's residual_multiplier)
-    ffn_activation: str = "silu"  # "silu": SwiGLU; "gelu_tanh": GeGLU (Gemma)
+    ffn_activation: str = "silu"  # gated: "silu" SwiGLU, "gelu_tanh" GeGLU (Gemma); plain: "gelu", "gelu_tanh"
+    ffn_gated: bool = True  # False: down_proj(act(up_proj x + b) ) + b, a plain MLP with biases (GPT-NeoX)
+    norm: str = "rmsnorm"  # "layernorm": mean-subtracted, with a bias (GPT-NeoX)
     head_width: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,7 +81,12 @@ class BlockConfig(v.ConfigFields):
         validate_rope_scaling(owner, self.rope_scaling, self.rotary_dim or self.head_width)
         v.one_of(owner, "attention_bias", self.attention_bias, ("none", "qkv", "all"))
         v.one_of(owner, "qk_norm", self.qk_norm, ("none", "head", "full"))
-        v.one_of(owner, "ffn_activation", self.ffn_activation, ("silu", "gelu_tanh"))
+        v.one_of(owner, "ffn_activation", self.ffn_activation, ("silu", "gelu_tanh", "gelu"))
+        if not isinstance(self.ffn_gated, bool):
+            v.fail(owner, "ffn_gated", "true or false", self.ffn_gated)
+        if not self.ffn_gated and self.ffn_activation == "silu":
+            v.fail(owner, "ffn_activation", '"gelu" or "gelu_tanh" for a plain MLP', self.ffn_activation)
+        v.one_of(owner, "norm", self.norm, ("rmsnorm", "layernorm"))
         if self.sliding_window is not None:
             v.positive_int(owner, "sliding_window", self.sliding_window)
         for name in ("attention_scale", "attention_softcap", "residual_scale"):
@@ -91,7 +100,8 @@ class BlockConfig(v.ConfigFields):
 
     @property
     def stage_names(self) -> tuple[str, ...]:
-        return {"post": POST_NORM_STAGES, "branch_post": BRANCH_POST_STAGES}.get(self.norm_placement, BLOCK_STAGES)
+        special = {"post": POST_NORM_STAGES, "branch_post": BRANCH_POST_STAGES, "parallel": PARALLEL_STAGES}
+        return special.get(self.norm_placement, BLOCK_STAGES)
 
     def layer_attention(self, index: int) -> dict:
         """What layer `index`'s attention computes: its window, and its RoPE base and scaling (None: no RoPE)."""

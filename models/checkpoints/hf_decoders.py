@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
 }
 GEMMA = ("gemma2", "gemma3_text")
 # RoPE types transformers computes from the sequence length at run time: refused by name.
@@ -70,6 +71,15 @@ TYPE_KEYS = {
     },
     "phi3": {"sliding_window", "partial_rotary_factor", "original_max_position_embeddings"},
     "smollm3": {"attention_bias", "sliding_window", "use_sliding_window", "layer_types", "no_rope_layers"},
+    "gpt_neox": {
+        "attention_bias",
+        "use_parallel_residual",
+        "layer_norm_eps",
+        "hidden_act",
+        "partial_rotary_factor",
+        "rotary_pct",
+        "rotary_emb_base",
+    },
 }
 TYPE_KEYS["gemma3_text"] = (TYPE_KEYS["gemma2"] | {"_sliding_window_pattern", "sliding_window_pattern"}) - {
     "attn_logit_softcapping",
@@ -83,7 +93,11 @@ TYPE_INERT = {
     # Gemma 3: bidirectional attention is an option of its image model; the text model checks it is off below.
     "gemma3_text": {"use_bidirectional_attention"},
     "gemma2": {"use_bidirectional_attention"},
+    # Dropout; and num_key_value_heads, which GPTNeoXAttention does not read (every head has its own K/V).
+    "gpt_neox": {"hidden_dropout", "classifier_dropout", "num_key_value_heads"},
 }
+# GPT-NeoX's activations: exact GELU, or the tanh approximation under its several names.
+NEOX_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
 def _no_window(value, raw, ours) -> bool:
@@ -134,6 +148,7 @@ def decoder_key_policy(model_type: str, inert: frozenset, common_only: dict) -> 
         )
     # Slices each projection into pretraining_tp pieces and sums them: the same function.
     extra_inert = {"pretraining_tp", *TYPE_INERT.get(model_type, ())}
+    implemented -= TYPE_INERT.get(model_type, set())
     for key in implemented:
         only.pop(key, None)
     return KeyPolicy(model_type, frozenset(implemented), only, (inert | extra_inert) - frozenset(only))
@@ -142,12 +157,12 @@ def decoder_key_policy(model_type: str, inert: frozenset, common_only: dict) -> 
 def _rope_dict(value: dict, hf: dict, where: Path, model_type: str) -> tuple[float, dict | None, float | None]:
     """(rope_theta, our rope_scaling, partial_rotary_factor) of one RoPE parameter dict."""
     merged = dict(value)
-    theta = merged.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = merged.pop("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
     if not is_number(theta) or theta <= 0:
         raise refusal(where, "rope_theta", theta, model_type, "a positive number")
     kind = merged.pop("rope_type", None) or merged.pop("type", "default")
     merged.pop("type", None)
-    partial = merged.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    partial = merged.pop("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct")))
     if kind in DYNAMIC_ROPE or kind not in ROPE_TYPES or kind == "factors":
         why = f" ({DYNAMIC_ROPE[kind]} change with the sequence length at run time)" if kind in DYNAMIC_ROPE else ""
         raise refusal(where, "rope_type", kind, model_type, f"default, linear, llama3, yarn{why}")
@@ -195,7 +210,7 @@ def _rope(hf: dict, where: Path, model_type: str) -> dict:
             local = hf["rope_local_base_freq"]
     rotary = None
     if partial not in (None, 1, 1.0):
-        if model_type != "phi3" or not is_number(partial) or not 0 < partial < 1:
+        if model_type not in ("phi3", "gpt_neox") or not is_number(partial) or not 0 < partial < 1:
             raise refusal(where, "partial_rotary_factor", partial, model_type, "null or 1.0 (RoPE on every dimension)")
         head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         rotary = int(head * partial)  # transformers: int(head_dim * partial_rotary_factor)
@@ -207,7 +222,7 @@ def _layer_types(hf: dict, where: Path, model_type: str, layers) -> tuple[list |
     window = hf.get("sliding_window")
     if model_type in ("mistral", "phi3"):
         return None, window  # every layer
-    if model_type in ("llama", "olmo2", "granite"):
+    if model_type in ("llama", "olmo2", "granite", "gpt_neox"):
         return None, None  # only a window the key policy accepts (no window at all) gets here
     types = hf.get("layer_types")
     if types is None:  # transformers 4 files: derived as the config classes derive them
@@ -242,7 +257,7 @@ def _bias(hf: dict, where: Path, model_type: str) -> str:
         return "qkv"  # Qwen2Attention: q/k/v projections with bias, o_proj without
     if model_type in ("mistral", "phi3"):
         return "none"
-    value = hf.get("attention_bias", False)
+    value = hf.get("attention_bias", model_type == "gpt_neox")
     if not isinstance(value, bool):
         raise refusal(where, "attention_bias", value, model_type, "true or false")
     return "all" if value else "none"
@@ -280,6 +295,20 @@ def _type_switches(hf: dict, where: Path, model_type: str, width) -> dict:
             "residual_scale": _number(hf, "residual_multiplier", where, model_type, 1.0),
             "logits_scale": _number(hf, "logits_scaling", where, model_type, 1.0),
         }
+    if model_type == "gpt_neox":
+        act = hf.get("hidden_act", "gelu")
+        if act not in NEOX_ACTIVATIONS:
+            raise refusal(where, "hidden_act", act, model_type, ", ".join(NEOX_ACTIVATIONS))
+        parallel = hf.get("use_parallel_residual", True)
+        if not isinstance(parallel, bool):
+            raise refusal(where, "use_parallel_residual", parallel, model_type, "true or false")
+        return {
+            "norm": "layernorm",
+            "eps": _number(hf, "layer_norm_eps", where, model_type, 1e-5),
+            "ffn_gated": False,
+            "ffn_activation": NEOX_ACTIVATIONS[act],
+            "norm_placement": "parallel" if parallel else "pre",
+        }
     if model_type == "smollm3":
         flags = hf.get("no_rope_layers")
         if flags is not None and (not isinstance(flags, list) or not all(f in (0, 1) for f in flags)):
@@ -302,13 +331,16 @@ def decoder_config(hf: dict, where: Path, model_type: str, tie) -> LlamaConfig:
     if not is_number(eps):
         raise refusal(where, "rms_norm_eps", eps, model_type, "a number")
     heads = hf["num_attention_heads"]
+    switches = _type_switches(hf, where, model_type, hf["hidden_size"])
+    eps = switches.pop("eps", eps)
     try:
         return LlamaConfig(
             vocab_size=hf["vocab_size"],
             layers=layers,
             width=hf["hidden_size"],
             heads=heads,
-            kv_heads=hf.get("num_key_value_heads") or heads,
+            # GPTNeoXAttention has one K/V head per query head, whatever the file says.
+            kv_heads=heads if model_type == "gpt_neox" else hf.get("num_key_value_heads") or heads,
             ff_width=hf["intermediate_size"],
             max_positions=max_positions,
             eps=float(eps),
@@ -319,7 +351,7 @@ def decoder_config(hf: dict, where: Path, model_type: str, tie) -> LlamaConfig:
             sliding_window=window,
             layer_types=types,
             **rope,
-            **_type_switches(hf, where, model_type, hf["hidden_size"]),
+            **switches,
         )
     except (ConfigError, TypeError, ValueError) as exc:
         raise ModelFileError(f"{where}: {exc}") from None
@@ -334,8 +366,39 @@ def _split(tensors: dict, name: str, shape: tuple, parts: dict, where) -> None:
         start += rows
 
 
+def neox_names(c: LlamaConfig, tensors: dict, where) -> dict:
+    """GPT-NeoX's names: query_key_value holds [q, k, v] per head, every linear and norm has a bias."""
+    d, f, hd = c.width, c.ff_width, c.head_width
+    state = {"embed_tokens.weight": take_tensor(tensors, "gpt_neox.embed_in.weight", (c.vocab_size, d), where)}
+    for i in range(c.layers):
+        g, ours = f"gpt_neox.layers.{i}.", f"block.{i}."
+        for buffer in ("attention.bias", "attention.masked_bias", "attention.rotary_emb.inv_freq"):
+            tensors.pop(g + buffer, None)  # causal-mask and RoPE buffers older checkpoints saved
+        qkv = take_tensor(tensors, g + "attention.query_key_value.weight", (3 * d, d), where).view(c.heads, 3, hd, d)
+        bias = take_tensor(tensors, g + "attention.query_key_value.bias", (3 * d,), where).view(c.heads, 3, hd)
+        for k, p in enumerate("qkv"):
+            state[f"{ours}attention.{p}_proj.weight"] = qkv[:, k].reshape(d, d).clone()
+            state[f"{ours}attention.{p}_proj.bias"] = bias[:, k].reshape(d).clone()
+        for src, dst, shape in (
+            ("attention.dense", "attention.o_proj", (d, d)),
+            ("mlp.dense_h_to_4h", "feed_forward.up_proj", (f, d)),
+            ("mlp.dense_4h_to_h", "feed_forward.down_proj", (d, f)),
+            ("input_layernorm", "attention_norm", (d,)),
+            ("post_attention_layernorm", "feed_forward_norm", (d,)),
+        ):
+            state[f"{ours}{dst}.weight"] = take_tensor(tensors, f"{g}{src}.weight", shape, where)
+            state[f"{ours}{dst}.bias"] = take_tensor(tensors, f"{g}{src}.bias", shape[:1], where)
+    for kind in ("weight", "bias"):
+        state[f"final_norm.{kind}"] = take_tensor(tensors, f"gpt_neox.final_layer_norm.{kind}", (d,), where)
+    if "embed_out.weight" in tensors:
+        tensors["lm_head.weight"] = tensors.pop("embed_out.weight")
+    return state
+
+
 def decoder_names(c: LlamaConfig, tensors: dict, where, model_type: str = "llama") -> dict:
     """transformers' tensor names (model.layers.{i}.self_attn.q_proj ...) to ours, shapes from the config."""
+    if model_type == "gpt_neox":
+        return neox_names(c, tensors, where)
     d, f, hd = c.width, c.ff_width, c.head_width
     q, kv = c.heads * hd, c.kv_heads * hd
     state = {"embed_tokens.weight": take_tensor(tensors, "model.embed_tokens.weight", (c.vocab_size, d), where)}

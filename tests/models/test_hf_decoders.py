@@ -114,6 +114,19 @@ CASES = {
         dict(rotary_dim=4, sliding_window=5),
     ),
     "smollm3": ("SmolLM3Config", dict(rope_theta=100.0, no_rope_layers=[1, 0, 1]), dict(no_rope_layers=[1, 0, 1])),
+    "pythia": (
+        "GPTNeoXConfig",
+        dict(
+            hidden_size=48,
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+        ),
+        dict(norm="layernorm", norm_placement="parallel", ffn_gated=False, rotary_dim=4, attention_bias="all"),
+    ),
+    "gpt-neox-sequential": (
+        "GPTNeoXConfig",
+        dict(hidden_size=48, use_parallel_residual=False, hidden_act="gelu_new", rope_theta=100.0),
+        dict(norm_placement="pre", ffn_activation="gelu_tanh", rotary_dim=2),
+    ),
     "qwen3-bias": (
         "Qwen3Config",
         dict(head_dim=12, rope_theta=100.0, attention_bias=True, tie_word_embeddings=True),
@@ -265,7 +278,9 @@ def test_lowering_refuses_a_switch_it_does_not_rebuild(tokenizer, tmp_path, name
 def test_quantize_check_and_generate_a_gemma3_export(tokenizer, tmp_path):
     """The rest of the path on the switch-heaviest family: 8-bit weights (block 32, so widths of 64), check of
     the quantized artifact against its own dequantized float64 model, and generation from it."""
-    build("gemma3", tokenizer, tmp_path / "hf", hidden_size=64, num_attention_heads=4, intermediate_size=96, head_dim=16)
+    build(
+        "gemma3", tokenizer, tmp_path / "hf", hidden_size=64, num_attention_heads=4, intermediate_size=96, head_dim=16
+    )
     result = invoke("export", "--from", tmp_path / "hf", "--out", tmp_path / "float")
     assert result.exit_code == 0, result.output
     result = invoke("quantize", tmp_path / "float", "--bits", 8, "--out", tmp_path / "q8", "--greedy-tokens", 8)

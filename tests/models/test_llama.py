@@ -531,7 +531,7 @@ def test_build_model_returns_eval_mode():
         (dict(rope_base=float("nan")), r"BlockConfig\.rope_base: expected a finite number, got nan"),
         (
             dict(norm_placement="middle"),
-            r"BlockConfig\.norm_placement: expected one of 'pre', 'post', 'sandwich', 'branch_post', got 'middle'",
+            r"BlockConfig\.norm_placement: expected one of 'pre', 'post', 'sandwich', 'branch_post', 'parallel', got 'middle'",
         ),
         (dict(norm_placement="Pre"), r"BlockConfig\.norm_placement: .*got 'Pre'"),
         (dict(rope_pairing="neox"), r"BlockConfig\.rope_pairing: expected one of 'interleaved', 'half', got 'neox'"),
