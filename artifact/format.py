@@ -121,6 +121,8 @@ class GraphEntry:
     custom_ops: tuple[str, ...] = ()
     attention_op: str | None = None
     kv_cache: str | None = None
+    # The graph's external data files (weights beside the .onnx, artifact/write.externalize): name -> sha256.
+    external_data: Mapping[str, str] = field(default_factory=dict)
     data: Mapping = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -321,6 +323,12 @@ def _parse_graph(entry, where, needs_hash: bool) -> GraphEntry:
             isinstance(entry[key], list) and all(isinstance(v, str) for v in entry[key])
         ):
             raise ModelFileError(f"{where}: graph {name!r} {key!r} must be a list of names, got {entry[key]!r:.80}")
+    external = entry.get("external_data") or {}
+    if not isinstance(external, dict) or not all(
+        isinstance(n, str) and n and Path(n).name == n and n not in (".", "..", file) and _is_hex_digest(d)
+        for n, d in external.items()
+    ):
+        raise ModelFileError(f"{where}: graph {name!r} 'external_data' must map plain file names to sha256 hex digests")
     weights = {}
     for weight, place in entry["weights"].items():
         if not isinstance(place, dict):
@@ -338,6 +346,7 @@ def _parse_graph(entry, where, needs_hash: bool) -> GraphEntry:
         custom_ops=tuple(entry.get("custom_ops") or ()),
         attention_op=entry.get("attention_op"),
         kv_cache=entry.get("kv_cache"),
+        external_data=MappingProxyType(dict(external)),
         data=entry,
     )
 

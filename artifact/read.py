@@ -130,8 +130,21 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
             raise ModelFileError(f"{path}: missing {entry.file}; re-run `toolkit export`")
         _check_inside(model_path, path)
         _check_size(model_path, model_path.stat().st_size, limit)
+        for name, digest in entry.external_data.items():
+            data_path = path / name
+            if not data_path.is_file():
+                raise ModelFileError(f"{data_path}: missing (graph {entry.name!r} keeps its weights there); re-export")
+            _check_inside(data_path, path)
+            _check_size(data_path, data_path.stat().st_size, limit, "external data file")
+            _check_hash(data_path, digest, "the weights beside the graph changed or were truncated; re-export")
         # The hash is checked on the bytes validate_onnx reads, before it parses them (one read, not two).
-        validate_onnx(model_path, max_bytes=limit, sha256=entry.sha256)
+        model = validate_onnx(model_path, max_bytes=limit, sha256=entry.sha256)
+        stray = sorted(external_locations(model) - set(entry.external_data))
+        if stray:
+            raise ExternalDataError(
+                f"{model_path}: reads external data from {stray}, which the manifest does not list (and hash); "
+                "re-export"
+            )
         graphs.append(GraphArtifact(entry.name, model_path, entry))
     for name, digest in typed.extra_files.items():
         extra = path / name
@@ -302,6 +315,17 @@ def _check_opsets(model, path: Path) -> None:
 
 def _known_opsets() -> str:
     return ", ".join(f"{domain or 'default'}<={version}" for domain, version in ALLOWED_OPSETS.items())
+
+
+def external_locations(model) -> set[str]:
+    """The external data files a model's tensors name."""
+    return {
+        entry.value
+        for tensor in all_tensors(model)
+        if is_external(tensor)
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
 
 
 def _check_external_data(model, path: Path) -> int:

@@ -24,6 +24,51 @@ from artifact.format import MANIFEST_FILE, METADATA_KEY
 from artifact.hashing import sha256_bytes
 from artifact.protobuf import serialize_model
 
+EXTERNAL_DATA_ENV = "TOOLKIT_EXTERNAL_DATA_BYTES"
+# A graph whose initializers exceed this many bytes keeps them in an external data file: the protobuf limit of
+# one file is 2 GiB, and runtimes map an external file instead of copying it out of the parsed graph.
+DEFAULT_EXTERNAL_DATA_BYTES = 1 << 30
+EXTERNAL_MIN_TENSOR_BYTES = 1024  # smaller tensors (scales, shapes) stay inside the graph
+EXTERNAL_ALIGNMENT = 4096  # page-aligned offsets, so ONNX Runtime can map each tensor in place
+
+
+def external_data_threshold() -> int:
+    """Initializer bytes above which a graph's weights go to an external file ($TOOLKIT_EXTERNAL_DATA_BYTES)."""
+    raw = os.environ.get(EXTERNAL_DATA_ENV)
+    if raw is None:
+        return DEFAULT_EXTERNAL_DATA_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ToolkitError(
+            f"${EXTERNAL_DATA_ENV}={raw!r}: expected a number of bytes >= 0, e.g. {DEFAULT_EXTERNAL_DATA_BYTES}"
+        )
+    return value
+
+
+def externalize(proto, location: str) -> bytearray:
+    """Move the graph's initializers of at least EXTERNAL_MIN_TENSOR_BYTES into one external data buffer
+    (`location`, beside the graph file), each at a page-aligned offset; returns the buffer's bytes."""
+    data = bytearray()
+    for tensor in proto.graph.initializer:
+        if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_TENSOR_BYTES:
+            continue
+        data.extend(b"\0" * (-len(data) % EXTERNAL_ALIGNMENT))
+        offset, length = len(data), len(tensor.raw_data)
+        data.extend(tensor.raw_data)
+        tensor.ClearField("raw_data")
+        del tensor.external_data[:]
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            tensor.external_data.add(key=key, value=value)
+        tensor.data_location = tensor.EXTERNAL
+    return data
+
+
+def initializer_bytes(proto) -> int:
+    return sum(len(t.raw_data) for t in proto.graph.initializer)
+
 
 def pack_artifact(
     manifest: dict,
@@ -33,6 +78,7 @@ def pack_artifact(
     embedded=None,
     before_serialise=None,
     keep_protos: bool = False,
+    external_data: bool | None = None,
 ) -> dict[str, bytes]:
     """The files of an artifact, ready for write_artifact: each graph of `manifest["graphs"]` (its ModelProto
     in `protos`, keyed by graph name) with the manifest embedded in its metadata, serialised and hashed into
@@ -41,15 +87,28 @@ def pack_artifact(
     embedded(manifest) -> dict: what each graph embeds (the manifest itself by default); it is taken graph by
     graph, so a later graph's copy records the hashes of the graphs before it. before_serialise(entry,
     proto) may check the finished graph. A graph's proto is dropped once serialised unless keep_protos.
+
+    external_data: True keeps every graph's weights in `{file}.data` beside it, False inside the graph, None
+    (the default) beside it above external_data_threshold() bytes of initializers.
     """
     files = {}
+    threshold = external_data_threshold()
     for entry in manifest["graphs"]:
         proto = protos[entry["name"]] if keep_protos else protos.pop(entry["name"])
         del proto.metadata_props[:]
+        if before_serialise is not None:  # on the graph with its weights inside (the checker reads no files)
+            before_serialise(entry, proto)
+        entry.pop("external_data", None)
+        if external_data or (external_data is None and initializer_bytes(proto) > threshold):
+            if keep_protos:
+                proto = proto.__class__.FromString(proto.SerializeToString())  # the caller's copy keeps its weights
+            location = f"{entry['file']}.data"
+            data = externalize(proto, location)
+            files[location] = data
+            entry["external_data"] = {location: sha256_bytes(data)}
+        # The embedded manifest comes last: it records the external data's hash.
         embed = dict(embedded(manifest) if embedded is not None else manifest, graph=entry["name"])
         proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(embed, sort_keys=True))
-        if before_serialise is not None:
-            before_serialise(entry, proto)
         data = serialize_model(proto)
         entry["sha256"] = sha256_bytes(data)
         files[entry["file"]] = data

@@ -86,6 +86,7 @@ def export_model(
     extra_files: dict[str, bytes] | None = None,
     lowering: str = lowerings.DEFAULT_LOWERING,
     dtype: str = "float32",
+    external_data: bool | None = None,
 ) -> Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
 
@@ -94,6 +95,8 @@ def export_model(
     lowering: "functions" (custom ops with function bodies), "standard" (opset 23) or "ort"
     (ONNX Runtime's com.microsoft kernels); see exporters/lowerings.py.
     dtype: "float32", "float16" or "bfloat16" for weights and activations (exporters/precision.py).
+    external_data: weights in a `.data` file beside each graph (True), inside it (False), or beside it above
+    artifact.write.external_data_threshold() bytes (None).
     """
     fam = get_family(family)
     if not isinstance(config, fam.config_cls):
@@ -165,7 +168,7 @@ def export_model(
             raise ExportError(f"exported {entry['name']} graph failed the ONNX checker: {exc}") from None
 
     # Each graph's proto is dropped once serialised: hundreds of MB the write can reuse.
-    files = pack_artifact(manifest, protos, extra_files, before_serialise=check)
+    files = pack_artifact(manifest, protos, extra_files, before_serialise=check, external_data=external_data)
     return write_and_load(Path(out_dir), files)
 
 

@@ -68,6 +68,13 @@ def resolve_model(preset: str | None, config: str | None):
     help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32.",
 )
 @click.option(
+    "--external-data/--no-external-data",
+    default=None,
+    help="Keep each graph's weights in a .data file beside it (page-aligned, mapped by ONNX Runtime), or inside "
+    "the graph. Default: beside it when a graph's weights exceed $TOOLKIT_EXTERNAL_DATA_BYTES (1 GiB); a graph "
+    "file cannot exceed 2 GiB.",
+)
+@click.option(
     "--verify/--no-verify",
     default=None,
     help="--from a Hugging Face directory: hold the export's logits on a few tokens to the original loaded with "
@@ -85,6 +92,7 @@ def command(
     triton_instances,
     dtype,
     lowering,
+    external_data,
     verify,
 ):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
@@ -118,6 +126,7 @@ def command(
                 extra_files=extra,
                 lowering=lowering,
                 dtype=dtype,
+                external_data=external_data,
             )
 
         if verify is False or skip is not None:
@@ -139,6 +148,7 @@ def command(
             seed=spec.seed,
             lowering=lowering,
             dtype=dtype,
+            external_data=external_data,
         )
         label = name or spec.name
     precision = "" if dtype == "float32" else f", {dtype}"
