@@ -48,7 +48,9 @@ ALLOWED_OPSETS: dict[str, int] = {
     "com.microsoft": 1,
 }
 MAX_MODEL_BYTES_ENV = "TOOLKIT_MAX_MODEL_BYTES"
-DEFAULT_MAX_MODEL_BYTES = 4 << 30  # 4 GiB: twice the 2 GiB protobuf limit of a graph file, room for external data
+# The floor of the default limit, and the limit where the machine does not say how much memory it has: twice the
+# 2 GiB protobuf limit of a graph file, room for external data.
+DEFAULT_MAX_MODEL_BYTES = 4 << 30
 # A manifest is a few kilobytes (one weight-map line per tensor); this bound only stops a hostile
 # file from being read into memory and parsed into Python objects at many times its size.
 MAX_MANIFEST_BYTES = 16 << 20
@@ -60,14 +62,28 @@ _SUB_BYTE_TYPES = {
 }
 
 
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where it does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_max_model_bytes() -> int:
+    """The default size limit: this machine's memory (a model the machine cannot hold is refused up front, not
+    killed halfway), and never below DEFAULT_MAX_MODEL_BYTES."""
+    return max(machine_memory() or 0, DEFAULT_MAX_MODEL_BYTES)
+
+
 def max_model_bytes(override: int | None = None) -> int:
-    """The size limit: `override` if given, else $TOOLKIT_MAX_MODEL_BYTES, else 4 GiB."""
+    """The size limit: `override` if given, else $TOOLKIT_MAX_MODEL_BYTES, else default_max_model_bytes()."""
     if override is not None:
         value, source = override, "max_bytes"
     else:
         raw = os.environ.get(MAX_MODEL_BYTES_ENV)
         if raw is None or not raw.strip():
-            return DEFAULT_MAX_MODEL_BYTES
+            return default_max_model_bytes()
         source = f"${MAX_MODEL_BYTES_ENV}"
         try:
             value = int(raw.strip())
@@ -82,8 +98,14 @@ def max_model_bytes(override: int | None = None) -> int:
 
 def _check_size(path: Path, size: int, limit: int, what: str = "model") -> None:
     if size > limit:
+        memory = machine_memory()
+        whose = (
+            f" (this machine's memory, {memory / 2**30:.1f} GiB)"
+            if memory and limit == default_max_model_bytes() and MAX_MODEL_BYTES_ENV not in os.environ
+            else ""
+        )
         raise ModelTooLargeError(
-            f"{path}: {what} is {size:,} bytes, above the limit of {limit:,}; "
+            f"{path}: {what} is {size:,} bytes, above the limit of {limit:,}{whose}; "
             f"raise it with ${MAX_MODEL_BYTES_ENV} or max_bytes= if you trust this file"
         )
 

@@ -319,7 +319,9 @@ def test_size_limit_from_keyword(tmp_path):
 
 
 def test_size_limit_from_environment(tmp_path, monkeypatch, artifact_dir):
-    assert max_model_bytes() == DEFAULT_MAX_MODEL_BYTES == 4 * 1024**3
+    # The default is this machine's memory (never below 4 GiB), from sysconf, not from this code.
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert max_model_bytes() == max(memory, DEFAULT_MAX_MODEL_BYTES) and DEFAULT_MAX_MODEL_BYTES == 4 * 1024**3
     monkeypatch.setenv(MAX_MODEL_BYTES_ENV, "100")
     with pytest.raises(ModelTooLargeError, match=rf"above the limit of 100; raise it with \${MAX_MODEL_BYTES_ENV}"):
         open_artifact(artifact_dir)
@@ -443,3 +445,14 @@ def test_text_fields_that_are_not_utf8_are_corrupt(tmp_path, no_runtime):
     with pytest.raises(CorruptModelError, match=r"m\.onnx: not a readable ONNX model \(.*not UTF-8"):
         open_artifact(path)
     assert no_runtime == []
+
+
+def test_default_limit_is_the_machine_memory_and_says_so(tmp_path, monkeypatch):
+    import artifact.read as read
+
+    path = save(tiny_model(), tmp_path / "m.onnx")
+    monkeypatch.delenv(MAX_MODEL_BYTES_ENV, raising=False)
+    monkeypatch.setattr(read, "DEFAULT_MAX_MODEL_BYTES", 10)
+    monkeypatch.setattr(read, "machine_memory", lambda: path.stat().st_size - 1)
+    with pytest.raises(ModelTooLargeError, match=r"above the limit of [\d,]+ \(this machine's memory, 0\.0 GiB\)"):
+        validate_onnx(path)
