@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -48,22 +49,26 @@ def external_data_threshold() -> int:
     return value
 
 
-def externalize(proto, location: str) -> bytearray:
-    """Move the graph's initializers of at least EXTERNAL_MIN_TENSOR_BYTES into one external data buffer
-    (`location`, beside the graph file), each at a page-aligned offset; returns the buffer's bytes."""
-    data = bytearray()
+def externalize(proto, location: str) -> tuple[list[bytes], str]:
+    """Move the graph's initializers of at least EXTERNAL_MIN_TENSOR_BYTES out to the external data file
+    `location` (beside the graph file), each at a page-aligned offset. Returns the file's contents as chunks
+    (each tensor's bytes and the padding before it, never joined into one copy) and their sha256."""
+    chunks, size, digest = [], 0, hashlib.sha256()
     for tensor in proto.graph.initializer:
         if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_TENSOR_BYTES:
             continue
-        data.extend(b"\0" * (-len(data) % EXTERNAL_ALIGNMENT))
-        offset, length = len(data), len(tensor.raw_data)
-        data.extend(tensor.raw_data)
+        padding = b"\0" * (-size % EXTERNAL_ALIGNMENT)
+        raw = tensor.raw_data
         tensor.ClearField("raw_data")
+        for chunk in (padding, raw):
+            chunks.append(chunk)
+            digest.update(chunk)
+        offset, size = size + len(padding), size + len(padding) + len(raw)
         del tensor.external_data[:]
-        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
             tensor.external_data.add(key=key, value=value)
         tensor.data_location = tensor.EXTERNAL
-    return data
+    return chunks, digest.hexdigest()
 
 
 def initializer_bytes(proto) -> int:
@@ -103,9 +108,8 @@ def pack_artifact(
             if keep_protos:
                 proto = proto.__class__.FromString(proto.SerializeToString())  # the caller's copy keeps its weights
             location = f"{entry['file']}.data"
-            data = externalize(proto, location)
-            files[location] = data
-            entry["external_data"] = {location: sha256_bytes(data)}
+            files[location], digest = externalize(proto, location)
+            entry["external_data"] = {location: digest}
         # The embedded manifest comes last: it records the external data's hash.
         embed = dict(embedded(manifest) if embedded is not None else manifest, graph=entry["name"])
         proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(embed, sort_keys=True))
@@ -134,8 +138,9 @@ def check_output_dir(out_dir: Path) -> None:
         )
 
 
-def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> None:
-    """Write files into out_dir all-or-nothing.
+def write_artifact(out_dir: Path, files: dict[str, bytes | list[bytes]], *, verify=None) -> None:
+    """Write files into out_dir all-or-nothing. A file's contents are bytes, or a list of chunks written in
+    order (external data: each tensor's bytes, never joined into one copy).
 
     Everything goes into a sibling temporary directory first (each file fsynced);
     `verify(tmp_dir)` may inspect it; only then is it swapped in, in one atomic
@@ -156,7 +161,8 @@ def write_artifact(out_dir: Path, files: dict[str, bytes], *, verify=None) -> No
                 if Path(name).name != name or name in (".", ".."):
                     raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
                 with open(tmp / name, "wb") as handle:
-                    handle.write(data)
+                    for chunk in data if isinstance(data, list) else (data,):
+                        handle.write(chunk)
                     handle.flush()
                     os.fsync(handle.fileno())
             if verify is not None:
