@@ -185,10 +185,13 @@ def import_huggingface(directory: Path) -> ImportedCheckpoint:
             f"{config_path}: model_type {model_type!r} is not supported; supported: {', '.join(HF_ARCHITECTURES)}"
         )
     keys.check(hf, config, config_path)
-    tensors = read_safetensors(directory)
+    stored = {}
+    tensors = read_safetensors(directory, stored)
     state = expected(config, tensors, directory)
     model = load_model(family, config, state, directory)
     source = {"format": "huggingface", "path": str(directory), "architecture": model_type}
+    if stored:  # the dtype most of the weights are stored in: what `toolkit export` keeps by default
+        source["dtype"] = max(stored, key=stored.get)
     return ImportedCheckpoint(family, config, model, TextTokenizer.from_hf_dir(directory), source)
 
 

@@ -33,8 +33,9 @@ SAFETENSORS_DTYPES = {
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own header-size limit
 
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory's safetensors files (sharded or not), as float32."""
+def read_safetensors(directory: Path, stored: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors files (sharded or not), as float32.
+    `stored`, when given, receives {dtype name: elements} of the floating tensors as the files store them."""
     from safetensors import SafetensorError, safe_open
 
     tensors = {}
@@ -43,7 +44,11 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    tensors[name] = handle.get_tensor(name).to(torch.float32)
+                    tensor = handle.get_tensor(name)
+                    if stored is not None and tensor.is_floating_point():
+                        kind = str(tensor.dtype).removeprefix("torch.")
+                        stored[kind] = stored.get(kind, 0) + tensor.numel()
+                    tensors[name] = tensor.to(torch.float32)
         except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as exc:
             raise ModelFileError(f"{file}: unreadable safetensors file ({exc})") from None
     return tensors

@@ -23,6 +23,21 @@ def resolve_model(preset: str | None, config: str | None):
     return spec, spec.name
 
 
+def checkpoint_dtype(stored: str | None, requested: str | None) -> tuple[str, str | None]:
+    """The export dtype of a checkpoint stored in `stored` when --dtype gave `requested` (None: not given), and
+    a note saying why when the default is not float32 or differs from the checkpoint's."""
+    if requested is not None:
+        return requested, None
+    if stored == "float16":
+        return "float16", "the checkpoint's dtype (--dtype float32 for float32)"
+    if stored == "bfloat16":
+        return "float32", (
+            "the checkpoint is bfloat16, which ONNX Runtime's CPU provider does not run; --dtype bfloat16 keeps "
+            "it for eager and onnx-reference"
+        )
+    return "float32", None
+
+
 @click.command("export")
 @click.option("--preset", help="Named preset (see `toolkit presets`); default: worked-example.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="JSON file: {family, seed, config}.")
@@ -63,9 +78,10 @@ def resolve_model(preset: str | None, config: str | None):
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "float16", "bfloat16"]),
-    default="float32",
-    show_default=True,
-    help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32.",
+    default=None,
+    help="Weights and activations in this dtype; norm statistics and softmax accumulate in float32. Default: "
+    "float32, or with --from a float16 checkpoint's float16 (a bfloat16 checkpoint exports as float32, said "
+    "why, since ONNX Runtime's CPU provider does not run bfloat16).",
 )
 @click.option(
     "--external-data/--no-external-data",
@@ -102,6 +118,7 @@ def command(
         from models.checkpoints import import_checkpoint
 
         imported = import_checkpoint(checkpoint)
+        dtype, dtype_note = checkpoint_dtype(imported.source.get("dtype"), dtype)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
         source = recorded_source(imported.source, checkpoint)
         if verify and source.get("format") != "huggingface":
@@ -138,6 +155,7 @@ def command(
         if verify:
             raise ConfigError("--verify checks a --from import against the original checkpoint; drop it")
         spec, name = resolve_model(preset, config_file)
+        dtype, dtype_note = dtype or "float32", None
         artifact = export_model(
             spec.build(),
             spec.family,
@@ -153,6 +171,11 @@ def command(
         label = name or spec.name
     precision = "" if dtype == "float32" else f", {dtype}"
     click.echo(f"exported {label} ({artifact.family}, {artifact.variant}{precision}) to {out_dir}:")
+    if dtype_note:
+        click.echo(f"  dtype {dtype}: {dtype_note}")
+    for graph in artifact.graphs:
+        if graph.entry.external_data:
+            click.echo(f"  {graph.model_path.name}: weights in {', '.join(graph.entry.external_data)}")
     if lowering != DEFAULT_LOWERING:
         click.echo(
             f"  lowering {lowering}: "
