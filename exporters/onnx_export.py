@@ -87,6 +87,7 @@ def export_model(
     lowering: str = lowerings.DEFAULT_LOWERING,
     dtype: str = "float32",
     external_data: bool | None = None,
+    progress=None,
 ) -> Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
 
@@ -97,7 +98,9 @@ def export_model(
     dtype: "float32", "float16" or "bfloat16" for weights and activations (exporters/precision.py).
     external_data: weights in a `.data` file beside each graph (True), inside it (False), or beside it above
     artifact.write.external_data_threshold() bytes (None).
+    progress(message): called as each step ends (traced, lowered, converted, written), for a progress display.
     """
+    progress = progress or (lambda message: None)
     fam = get_family(family)
     if not isinstance(config, fam.config_cls):
         raise ConfigError(f"family {family!r} expects a {fam.config_cls.__name__}, got {type(config).__name__}")
@@ -110,6 +113,7 @@ def export_model(
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
         inputs, names, run = graph.variant(variant)
+        progress(f"tracing {graph.name} ({getattr(config, 'layers', 1)} blocks)")
         replicated = _trace_one_block(model, family, config, graph.name, variant, inputs, names)
         if replicated is None:
             proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
@@ -137,8 +141,11 @@ def export_model(
             }
         )
     if lowering != lowerings.DEFAULT_LOWERING:
+        progress(f"lowering to {lowering}")
         used = _lower(model, family, config, lowering, protos, entries)
     _check_weights_covered(model, entries)
+    if dtype != "float32":
+        progress(f"converting to {dtype}")
     precision.apply(model, protos, entries, dtype)  # after the weight map, which matches float32 bytes
 
     manifest = {
@@ -168,7 +175,10 @@ def export_model(
             raise ExportError(f"exported {entry['name']} graph failed the ONNX checker: {exc}") from None
 
     # Each graph's proto is dropped once serialised: hundreds of MB the write can reuse.
+    progress("checking and serialising")
     files = pack_artifact(manifest, protos, extra_files, before_serialise=check, external_data=external_data)
+    total = sum(len(d) if not isinstance(d, list) else sum(map(len, d)) for d in files.values())
+    progress(f"writing {total / 2**20:,.1f} MiB and verifying it")
     return write_and_load(Path(out_dir), files)
 
 

@@ -11,6 +11,7 @@ from exporters.lowerings import DEFAULT_LOWERING, LOWERINGS
 from exporters.onnx_export import VARIANTS, export_model
 from models.presets import get_preset, load_config_file
 from toolkit.check.oracle import import_transformers, recorded_source, verified_export, why_not_verify
+from toolkit.progress import Progress
 
 
 def resolve_model(preset: str | None, config: str | None):
@@ -90,6 +91,7 @@ def checkpoint_dtype(stored: str | None, requested: str | None) -> tuple[str, st
     "the graph. Default: beside it when a graph's weights exceed $TOOLKIT_EXTERNAL_DATA_BYTES (1 GiB); a graph "
     "file cannot exceed 2 GiB.",
 )
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr (shown on a terminal by default).")
 @click.option(
     "--verify/--no-verify",
     default=None,
@@ -109,15 +111,20 @@ def command(
     dtype,
     lowering,
     external_data,
+    quiet,
     verify,
 ):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
+    progress = Progress("export", quiet)
     if checkpoint:
         if preset or config_file:
             raise ConfigError("give --from on its own, not with --preset or --config")
         from models.checkpoints import import_checkpoint
 
+        progress(f"importing {checkpoint}")
         imported = import_checkpoint(checkpoint)
+        parameters = sum(p.numel() for p in imported.model.parameters())
+        progress(f"imported {parameters / 1e6:,.1f}M parameters ({imported.config.layers} layers)")
         dtype, dtype_note = checkpoint_dtype(imported.source.get("dtype"), dtype)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
         source = recorded_source(imported.source, checkpoint)
@@ -144,6 +151,7 @@ def command(
                 lowering=lowering,
                 dtype=dtype,
                 external_data=external_data,
+                progress=progress,
             )
 
         if verify is False or skip is not None:
@@ -167,6 +175,7 @@ def command(
             lowering=lowering,
             dtype=dtype,
             external_data=external_data,
+            progress=progress,
         )
         label = name or spec.name
     precision = "" if dtype == "float32" else f", {dtype}"

@@ -1,0 +1,24 @@
+"""Progress lines on stderr for long commands: each step with the seconds since the command started.
+
+Shown when stderr is a terminal, or with $TOOLKIT_PROGRESS=1; never with --quiet. They go to stderr so the
+command's own output (stdout) stays the same with or without them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+PROGRESS_ENV = "TOOLKIT_PROGRESS"
+
+
+class Progress:
+    def __init__(self, label: str, quiet: bool = False):
+        forced = os.environ.get(PROGRESS_ENV)
+        self.enabled = not quiet and (forced == "1" or (forced is None and sys.stderr.isatty()))
+        self.label, self.start = label, time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"[{self.label} {time.perf_counter() - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
