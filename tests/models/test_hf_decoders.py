@@ -20,7 +20,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from artifact.errors import ModelFileError
 from models.checkpoints import import_checkpoint
 from tests.optional import import_or_skip
-from tests.toolkit.test_cli import assert_user_error, invoke
 
 transformers = import_or_skip("transformers", reason="transformers (the oracle) is a test extra")
 
@@ -224,71 +223,6 @@ def test_prefill_and_cached_decode_match_transformers(case):
         cache = theirs.past_key_values
         close(out["logits"].numpy(), theirs.logits.numpy())
         close(out["logits"].numpy()[:, 0], want[:, t])
-
-
-def test_export_check_and_generate_through_the_cli(case, tokenizer, tmp_path):
-    """export --from (verified against transformers by default), check with the transformers oracle and decode
-    steps, and greedy generation token-identical to transformers' generate."""
-    name, directory, hf = case
-    out = tmp_path / "artifact"
-    result = invoke("export", "--from", directory, "--out", out)
-    assert result.exit_code == 0, result.output
-    assert "verified against the original" in result.output
-    check = invoke("check", out, "--oracle", "transformers", "--decode-steps", 3, "--seq-len", SEQ - 3)
-    assert check.exit_code == 0, check.output
-    assert "oracle transformers: PASS" in check.output
-    prompt = "the quick brown fox"
-    ids = [tokenizer.token_to_id("<s>")] + tokenizer.encode(prompt).ids
-    eos = tokenizer.token_to_id("</s>")
-    with torch.no_grad():
-        generated = hf.generate(
-            torch.tensor([ids]), do_sample=False, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos
-        )[0, len(ids) :].tolist()
-    result = invoke("generate", out, "--prompt", prompt, "--max-new-tokens", 20)
-    assert result.exit_code == 0, result.output
-    assert result.stdout.removesuffix("\n") == tokenizer.decode(generated, skip_special_tokens=True)
-
-
-# --------------------------------------------------------------------------- lowerings
-
-
-@pytest.mark.parametrize("lowering", ["standard", "ort"])
-def test_rope_scaling_and_head_dim_through_every_lowering(tokenizer, tmp_path, lowering):
-    directory = tmp_path / "hf"
-    build("llama3", tokenizer, directory)
-    out = tmp_path / "artifact"
-    result = invoke("export", "--from", directory, "--out", out, "--lowering", lowering)
-    assert result.exit_code == 0, result.output
-    check = invoke("check", out, "--decode-steps", 2, "--seq-len", SEQ - 2)
-    assert check.exit_code == 0, check.output
-
-
-@pytest.mark.parametrize(
-    "name,switch", [("qwen3", "qk_norm='head'"), ("mistral", "sliding_window=5"), ("qwen2", "attention_bias='qkv'")]
-)
-@pytest.mark.parametrize("lowering", ["standard", "ort"])
-def test_lowering_refuses_a_switch_it_does_not_rebuild(tokenizer, tmp_path, name, switch, lowering):
-    directory = tmp_path / "hf"
-    build(name, tokenizer, directory)
-    result = invoke("export", "--from", directory, "--out", tmp_path / "artifact", "--lowering", lowering)
-    assert_user_error(result, f"lowering '{lowering}' does not rebuild", switch, "--lowering functions")
-    assert not (tmp_path / "artifact").exists()
-
-
-def test_quantize_check_and_generate_a_gemma3_export(tokenizer, tmp_path):
-    """The rest of the path on the switch-heaviest family: 8-bit weights (block 32, so widths of 64), check of
-    the quantized artifact against its own dequantized float64 model, and generation from it."""
-    build(
-        "gemma3", tokenizer, tmp_path / "hf", hidden_size=64, num_attention_heads=4, intermediate_size=96, head_dim=16
-    )
-    result = invoke("export", "--from", tmp_path / "hf", "--out", tmp_path / "float")
-    assert result.exit_code == 0, result.output
-    result = invoke("quantize", tmp_path / "float", "--bits", 8, "--out", tmp_path / "q8", "--greedy-tokens", 8)
-    assert result.exit_code == 0, result.output
-    check = invoke("check", tmp_path / "q8", "--backends", "eager,ort-cpu", "--decode-steps", 2)
-    assert check.exit_code == 0, check.output
-    generated = invoke("generate", tmp_path / "q8", "--prompt", "the quick", "--max-new-tokens", 6)
-    assert generated.exit_code == 0 and generated.stdout.strip(), generated.output
 
 
 # --------------------------------------------------------------------------- refusals
