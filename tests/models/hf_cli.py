@@ -27,9 +27,19 @@ def export_check_generate(name, tokenizer, tmp_path):
     ids = [tokenizer.token_to_id("<s>")] + tokenizer.encode(prompt).ids
     eos = tokenizer.token_to_id("</s>")
     with torch.no_grad():
-        generated = hf.generate(
-            torch.tensor([ids]), do_sample=False, max_new_tokens=20, eos_token_id=eos, pad_token_id=eos
-        )[0, len(ids) :].tolist()
+        greedy = hf.generate(
+            torch.tensor([ids]),
+            do_sample=False,
+            max_new_tokens=20,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    for step, scores in enumerate(greedy.scores):  # a near-tie would make greedy depend on rounding, not the import
+        top = torch.topk(scores[0], 2).values
+        assert float(top[0] - top[1]) > 1e-4, f"{name}: near-tie at step {step}; change the case's seed or switches"
+    generated = greedy.sequences[0, len(ids) :].tolist()
     result = invoke("generate", out, "--prompt", prompt, "--max-new-tokens", 20)
     assert result.exit_code == 0, result.output
     assert result.stdout.removesuffix("\n") == tokenizer.decode(generated, skip_special_tokens=True)

@@ -77,9 +77,13 @@ CASES = {
     "gemma2": (
         "Gemma2Config",
         dict(
-            head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rope_theta=100.0
+            head_dim=8,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=10.0,
+            rope_theta=100.0,
         ),
-        dict(norm_placement="sandwich", ffn_activation="gelu_tanh", attention_softcap=2.0, final_softcap=3.0),
+        dict(norm_placement="sandwich", ffn_activation="gelu_tanh", attention_softcap=2.0, final_softcap=10.0),
     ),
     "gemma3": (
         "Gemma3TextConfig",
