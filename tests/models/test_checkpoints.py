@@ -156,7 +156,13 @@ def test_llama_import_matches_transformers(tmp_path, kv_heads, tie):
     c = imported.config
     assert (imported.family, c.kv_heads, c.heads, c.width, c.layers) == ("llama", kv_heads, HEADS, WIDTH, LAYERS)
     assert (c.rope_base, c.tie_embeddings, c.rope_pairing, c.vocab_size) == (250.0, tie, "half", VOCAB)
-    assert imported.source == {"format": "huggingface", "path": str(directory), "architecture": "llama"}
+    # dtype: what the safetensors store (hf_llama saves float32), the export's default dtype follows it
+    assert imported.source == {
+        "format": "huggingface",
+        "path": str(directory),
+        "architecture": "llama",
+        "dtype": "float32",
+    }
     assert imported.tokenizer is None  # no tokenizer.json in a weights-only directory
     ids = ids_for(VOCAB, seed=kv_heads)
     assert_close_f32(our_logits(imported.model, ids), hf_logits(hf, ids))
