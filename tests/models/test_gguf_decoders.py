@@ -19,6 +19,7 @@ import torch
 from models.checkpoints import import_checkpoint
 from tests.models import test_checkpoints as checkpoints
 from tests.models.test_checkpoints import llama_cpp_permute
+from tests.models.test_hf_decoders import randomize
 from tests.optional import LLAMACPP, import_or_skip
 from tests.toolkit.test_cli import invoke
 
@@ -57,22 +58,6 @@ CASES = {
         dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 300.0}),
     ),
 }
-
-
-@torch.no_grad()
-def randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-        if name.endswith(".bias"):
-            p.copy_(0.3 * noise)
-        elif p.ndim == 1:
-            p.copy_(1 + 0.1 * noise)
-        elif "embed_tokens" in name:
-            p.copy_(noise)
-        else:
-            p.copy_(noise / math.sqrt(p.shape[1]))
-    return model.eval()
 
 
 def llama3_rope_factors(config) -> np.ndarray:
