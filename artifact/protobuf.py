@@ -73,7 +73,8 @@ def _varint(value: int) -> bytes:
 def weightless(
     model: onnx.ModelProto, threshold: int | None = None, raw_sizes: list[int] | None = None
 ) -> onnx.ModelProto:
-    """A copy of `model` whose initializers over `threshold` bytes are graph inputs of the same type and shape.
+    """A copy of `model` whose initializers over `threshold` bytes, or in external data, are graph inputs of the
+    same type and shape.
 
     The ONNX checker and shape inference serialise the model they are given, which for a real
     checkpoint is hundreds of MB each time; neither reads weight values, only small shape constants,
@@ -95,7 +96,8 @@ def weightless(
     if raw_sizes is None:
         raw_sizes = [len(tensor.raw_data) for tensor in model.graph.initializer]
     for tensor, raw_size in zip(model.graph.initializer, raw_sizes, strict=True):
-        if raw_size > threshold:
+        # An external tensor's bytes are in a file the checker would open: its declaration is all it needs.
+        if raw_size > threshold or tensor.data_location == onnx.TensorProto.EXTERNAL:
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
         else:
             graph.initializer.append(tensor)

@@ -31,6 +31,28 @@ EXTERNAL_DATA_ENV = "TOOLKIT_EXTERNAL_DATA_BYTES"
 DEFAULT_EXTERNAL_DATA_BYTES = 1 << 30
 EXTERNAL_MIN_TENSOR_BYTES = 1024  # smaller tensors (scales, shapes) stay inside the graph
 EXTERNAL_ALIGNMENT = 4096  # page-aligned offsets, so ONNX Runtime can map each tensor in place
+# An initializer whose bytes the exporter holds outside the graph until it writes the artifact (PendingWeights):
+# a protobuf message cannot give back the memory of a field it cleared, so weights that pass through one are
+# held twice by the time they are written out.
+PENDING_LOCATION = "<pending>"
+
+
+class PendingWeights(dict):
+    """{initializer name: its bytes as a flat uint8 array}, for initializers marked pending in a graph."""
+
+    def add(self, tensor, array: np.ndarray) -> None:
+        """Mark `tensor` (name, data_type and dims set) pending and hold `array`'s bytes for it (no copy when
+        `array` is C-contiguous)."""
+        del tensor.external_data[:]
+        tensor.external_data.add(key="location", value=PENDING_LOCATION)
+        tensor.data_location = tensor.EXTERNAL
+        self[tensor.name] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def is_pending(tensor) -> bool:
+    return tensor.data_location == tensor.EXTERNAL and any(
+        e.key == "location" and e.value == PENDING_LOCATION for e in tensor.external_data
+    )
 
 
 def external_data_threshold() -> int:
@@ -49,17 +71,21 @@ def external_data_threshold() -> int:
     return value
 
 
-def externalize(proto, location: str) -> tuple[list[bytes], str]:
-    """Move the graph's initializers of at least EXTERNAL_MIN_TENSOR_BYTES out to the external data file
-    `location` (beside the graph file), each at a page-aligned offset. Returns the file's contents as chunks
-    (each tensor's bytes and the padding before it, never joined into one copy) and their sha256."""
+def externalize(proto, location: str, pending: PendingWeights | None = None) -> tuple[list, str]:
+    """Move the graph's initializers of at least EXTERNAL_MIN_TENSOR_BYTES, and its pending ones, out to the
+    external data file `location` (beside the graph file), each at a page-aligned offset. Returns the file's
+    contents as chunks (each tensor's bytes and the padding before it, never joined into one copy) and their
+    sha256."""
     chunks, size, digest = [], 0, hashlib.sha256()
     for tensor in proto.graph.initializer:
-        if not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_TENSOR_BYTES:
+        if is_pending(tensor):
+            raw = pending.pop(tensor.name)
+        elif not tensor.HasField("raw_data") or len(tensor.raw_data) < EXTERNAL_MIN_TENSOR_BYTES:
             continue
+        else:
+            raw = tensor.raw_data
+            tensor.ClearField("raw_data")
         padding = b"\0" * (-size % EXTERNAL_ALIGNMENT)
-        raw = tensor.raw_data
-        tensor.ClearField("raw_data")
         for chunk in (padding, raw):
             chunks.append(chunk)
             digest.update(chunk)
@@ -71,8 +97,17 @@ def externalize(proto, location: str) -> tuple[list[bytes], str]:
     return chunks, digest.hexdigest()
 
 
-def initializer_bytes(proto) -> int:
-    return sum(len(t.raw_data) for t in proto.graph.initializer)
+def internalize(proto, pending: PendingWeights | None) -> None:
+    """Put the pending initializers' bytes into the graph (a graph that keeps its weights inside)."""
+    for tensor in proto.graph.initializer:
+        if is_pending(tensor):
+            del tensor.external_data[:]
+            tensor.data_location = tensor.DEFAULT
+            tensor.raw_data = pending.pop(tensor.name).tobytes()
+
+
+def initializer_bytes(proto, pending: PendingWeights | None = None) -> int:
+    return sum(len(pending[t.name]) if is_pending(t) else len(t.raw_data) for t in proto.graph.initializer)
 
 
 def pack_artifact(
@@ -84,6 +119,7 @@ def pack_artifact(
     before_serialise=None,
     keep_protos: bool = False,
     external_data: bool | None = None,
+    pending: PendingWeights | None = None,
 ) -> dict[str, bytes]:
     """The files of an artifact, ready for write_artifact: each graph of `manifest["graphs"]` (its ModelProto
     in `protos`, keyed by graph name) with the manifest embedded in its metadata, serialised and hashed into
@@ -94,22 +130,27 @@ def pack_artifact(
     proto) may check the finished graph. A graph's proto is dropped once serialised unless keep_protos.
 
     external_data: True keeps every graph's weights in `{file}.data` beside it, False inside the graph, None
-    (the default) beside it above external_data_threshold() bytes of initializers.
+    (the default) beside it above external_data_threshold() bytes of initializers. pending: the bytes of the
+    graphs' pending initializers (taken from it as they are placed).
     """
     files = {}
     threshold = external_data_threshold()
     for entry in manifest["graphs"]:
         proto = protos[entry["name"]] if keep_protos else protos.pop(entry["name"])
         del proto.metadata_props[:]
-        if before_serialise is not None:  # on the graph with its weights inside (the checker reads no files)
-            before_serialise(entry, proto)
         entry.pop("external_data", None)
-        if external_data or (external_data is None and initializer_bytes(proto) > threshold):
+        if external_data or (external_data is None and initializer_bytes(proto, pending) > threshold):
             if keep_protos:
                 proto = proto.__class__.FromString(proto.SerializeToString())  # the caller's copy keeps its weights
             location = f"{entry['file']}.data"
-            files[location], digest = externalize(proto, location)
+            files[location], digest = externalize(proto, location, pending)
             entry["external_data"] = {location: digest}
+        else:
+            internalize(proto, pending)
+        # On the graph as written: weightless when its weights moved out (the checker and shape inference
+        # serialise the graph they are given, and read no external files), else with them inside.
+        if before_serialise is not None:
+            before_serialise(entry, proto)
         # The embedded manifest comes last: it records the external data's hash.
         embed = dict(embedded(manifest) if embedded is not None else manifest, graph=entry["name"])
         proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(embed, sort_keys=True))
@@ -140,7 +181,8 @@ def check_output_dir(out_dir: Path) -> None:
 
 def write_artifact(out_dir: Path, files: dict[str, bytes | list[bytes]], *, verify=None) -> None:
     """Write files into out_dir all-or-nothing. A file's contents are bytes, or a list of chunks written in
-    order (external data: each tensor's bytes, never joined into one copy).
+    order and removed from the list as they are written (external data: each tensor's bytes, never joined
+    into one copy, freed once on disk).
 
     Everything goes into a sibling temporary directory first (each file fsynced);
     `verify(tmp_dir)` may inspect it; only then is it swapped in, in one atomic
@@ -161,8 +203,13 @@ def write_artifact(out_dir: Path, files: dict[str, bytes | list[bytes]], *, veri
                 if Path(name).name != name or name in (".", ".."):
                     raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
                 with open(tmp / name, "wb") as handle:
-                    for chunk in data if isinstance(data, list) else (data,):
-                        handle.write(chunk)
+                    if isinstance(data, list):
+                        # Consumed as written: each tensor's bytes are freed once on disk, not held to the end.
+                        data.reverse()
+                        while data:
+                            handle.write(data.pop())
+                    else:
+                        handle.write(data)
                     handle.flush()
                     os.fsync(handle.fileno())
             if verify is not None:

@@ -34,7 +34,7 @@ from artifact.format import (
 from artifact.hashing import array_digest, sha256_bytes
 from artifact.protobuf import weightless
 from artifact.read import write_and_load
-from artifact.write import check_output_dir, pack_artifact
+from artifact.write import check_output_dir, is_pending, pack_artifact
 from exporters import lowerings, precision, replicate
 from exporters.functions import OPSET, function_protos
 from models.registry import get_family
@@ -88,6 +88,7 @@ def export_model(
     dtype: str = "float32",
     external_data: bool | None = None,
     progress=None,
+    release_weights: bool = False,
 ) -> Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
 
@@ -99,6 +100,10 @@ def export_model(
     external_data: weights in a `.data` file beside each graph (True), inside it (False), or beside it above
     artifact.write.external_data_threshold() bytes (None).
     progress(message): called as each step ends (traced, lowered, converted, written), for a progress display.
+    release_weights: the graphs take the model's weights over, each parameter freed once written (in the export
+    dtype) into the last initializer that holds it, so the export holds one copy of the weights instead of
+    two; the model is left without its weights. It applies to the default lowering, whose rewrite reads no
+    weight values; the other lowerings rebuild weights from the model and keep it whole.
     """
     progress = progress or (lambda message: None)
     fam = get_family(family)
@@ -109,13 +114,25 @@ def export_model(
     lowerings.check_supported(family, config, lowering)
     precision.check_supported(dtype, lowering)
     check_output_dir(Path(out_dir))  # before the slow trace
-    model = model.to(torch.float32).eval()
+    release = release_weights and lowering == lowerings.DEFAULT_LOWERING
+    # Released weights are converted one tensor at a time as they are written; a traced model is float32, and
+    # so are the buffers (RoPE frequencies) in both cases.
+    if release:
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(torch.float32)
+    model = model.eval() if release else model.to(torch.float32).eval()
+    fill = replicate.WeightFill(
+        dtype=precision.numpy_dtype(dtype) if release else np.dtype(np.float32), release=release
+    )
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
         inputs, names, run = graph.variant(variant)
         progress(f"tracing {graph.name} ({getattr(config, 'layers', 1)} blocks)")
-        replicated = _trace_one_block(model, family, config, graph.name, variant, inputs, names)
+        replicated = _trace_one_block(model, family, config, graph.name, variant, inputs, names, fill)
         if replicated is None:
+            model = model.to(torch.float32)
             proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
             traced_blocks, weights = getattr(config, "layers", 1), _weight_map(model, proto)
         else:
@@ -144,9 +161,19 @@ def export_model(
         progress(f"lowering to {lowering}")
         used = _lower(model, family, config, lowering, protos, entries)
     _check_weights_covered(model, entries)
+    if release:  # every weight is in a graph now (a whole-model trace holds them besides the model's copy)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype)
     if dtype != "float32":
         progress(f"converting to {dtype}")
-    precision.apply(model, protos, entries, dtype)  # after the weight map, which matches float32 bytes
+    converted = frozenset(
+        init.name
+        for proto in protos.values()
+        for init in proto.graph.initializer
+        if fill.dtype != np.float32 and init.data_type == onnx.helper.np_dtype_to_tensor_dtype(fill.dtype)
+    )
+    precision.apply(model, protos, entries, dtype, converted)  # after the weight map, which matches float32 bytes
 
     manifest = {
         "format": FORMAT,
@@ -176,7 +203,9 @@ def export_model(
 
     # Each graph's proto is dropped once serialised: hundreds of MB the write can reuse.
     progress("checking and serialising")
-    files = pack_artifact(manifest, protos, extra_files, before_serialise=check, external_data=external_data)
+    files = pack_artifact(
+        manifest, protos, extra_files, before_serialise=check, external_data=external_data, pending=fill.pending
+    )
     total = sum(len(d) if not isinstance(d, list) else sum(map(len, d)) for d in files.values())
     progress(f"writing {total / 2**20:,.1f} MiB and verifying it")
     return write_and_load(Path(out_dir), files)
@@ -279,7 +308,7 @@ def _check_and_infer(proto: onnx.ModelProto) -> None:
         output.type.CopyFrom(typed.type)
 
 
-def _trace_one_block(model, family: str, config, graph_name: str, variant: str, inputs, names):
+def _trace_one_block(model, family: str, config, graph_name: str, variant: str, inputs, names, fill):
     """(graph, weight map) traced from a one-block copy and replicated (exporters.replicate), or None
     when the family or the traced graph does not allow it; the caller then traces the whole model."""
     if not replicate.replicable(family, config):
@@ -288,7 +317,9 @@ def _trace_one_block(model, family: str, config, graph_name: str, variant: str, 
     (small_graph,) = [g for g in get_family(family).graphs(small_config) if g.name == graph_name]
     small_inputs, small_names, small_run = small_graph.variant(variant)
     proto = _trace(_NamedOutputs(small, small_run, small_names), small_config, graph_name, small_inputs, small_names)
-    return replicate.replicate_with_weights(model, small, proto, config, [s.name for s in inputs], list(names))
+    return replicate.replicate_with_weights(
+        model, small, proto, config, [s.name for s in inputs], list(names), weights=fill
+    )
 
 
 def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict]) -> set[str]:
@@ -334,7 +365,8 @@ def _weight_map(model: nn.Module, proto: onnx.ModelProto) -> dict[str, dict]:
     key = array_digest
     by_bytes: dict[tuple, str] = {}
     for init in proto.graph.initializer:
-        by_bytes.setdefault(key(numpy_helper.to_array(init)), init.name)
+        if not is_pending(init):  # placed by replicate, which maps those itself
+            by_bytes.setdefault(key(numpy_helper.to_array(init)), init.name)
     mapping = {}
     for name, tensor in model.state_dict().items():
         array = tensor.detach().cpu().numpy()

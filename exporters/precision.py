@@ -69,13 +69,17 @@ def input_specs(specs: list[dict], dtype: str) -> list[dict]:
 
 def convert_array(array: np.ndarray, dtype: str, where: str) -> np.ndarray:
     """float32 -> dtype, refusing values the dtype cannot hold (they would silently become inf)."""
-    target = numpy_dtype(dtype)
-    finite = np.isfinite(array)
+    return convert_numpy(array, numpy_dtype(dtype), where)
+
+
+def convert_numpy(array: np.ndarray, target: np.dtype, where: str) -> np.ndarray:
+    """convert_array to a numpy dtype (float16, or ml_dtypes' bfloat16)."""
+    dtype = "float16" if target == np.float16 else "bfloat16"
     import ml_dtypes  # numpy's finfo does not know bfloat16; ml_dtypes' covers every float type
 
     limit = float(ml_dtypes.finfo(target).max)
-    if finite.any() and float(np.max(np.abs(array[finite]))) > limit:
-        peak = float(np.max(np.abs(array[finite])))
+    peak = _largest_finite(array)
+    if peak > limit:
         raise ExportError(
             f"{where}: holds values up to {peak:.4g}, beyond {dtype}'s largest finite value {limit:.6g}; "
             + (
@@ -87,16 +91,43 @@ def convert_array(array: np.ndarray, dtype: str, where: str) -> np.ndarray:
     return array.astype(target)
 
 
-def to_dtype(proto: onnx.ModelProto, dtype: str, parameters: set[str]) -> onnx.ModelProto:
+RANGE_CHUNK = 1 << 22  # elements per step of the range check, whose temporaries are the size of their input
+
+
+def _largest_finite(array: np.ndarray) -> float:
+    """max |x| over the finite elements (0 when there are none), a chunk at a time."""
+    flat, peak = array.reshape(-1), 0.0
+    for start in range(0, flat.size, RANGE_CHUNK):
+        part = flat[start : start + RANGE_CHUNK]
+        finite = part[np.isfinite(part)]
+        if finite.size:
+            peak = max(peak, float(np.max(np.abs(finite))))
+    return peak
+
+
+def to_dtype(
+    proto: onnx.ModelProto, dtype: str, parameters: set[str], converted: frozenset[str] = frozenset()
+) -> onnx.ModelProto:
     """Rewrite the float32 graph `proto` in place to `dtype` (see the module docstring); return it.
 
     parameters: names of the initializers that hold model parameters (the export dtype's sources
     together with the float graph inputs). Other float initializers follow their consumers.
+    converted: parameter initializers already written in `dtype` (exporters.replicate.WeightFill); the
+    rewrite treats them as the float32 parameters they stand for, without converting them again.
     """
     check_dtype(dtype)
     if dtype == "float32":
         return proto
+    ready = [init for init in proto.graph.initializer if init.name in converted]
+    if any(init.data_type != DTYPES[dtype] for init in ready):
+        raise ExportError(f"initializer {ready[0].name!r} is not stored in {dtype} as its converted weights should be")
+    for init in ready:  # typed as the float32 parameters they stand for while the rewrite reads the graph
+        init.data_type = TensorProto.FLOAT
     rewrite = _Rewrite(proto, dtype)
+    for init in ready:
+        init.data_type = DTYPES[dtype]
+        rewrite.kind[init.name] = "T"
+    parameters = parameters - converted
     rewrite.mark_sources(parameters)
     for node in proto.graph.node:
         rewrite.add(node)
@@ -301,11 +332,12 @@ def check_supported(dtype: str, lowering: str) -> None:
         )
 
 
-def apply(model, protos: dict, entries: list[dict], dtype: str) -> None:
+def apply(model, protos: dict, entries: list[dict], dtype: str, converted: frozenset[str] = frozenset()) -> None:
     """Rewrite every exported graph to `dtype` and declare it in the manifest entries (in place).
 
     Runs after the weight map was recorded on the float32 graphs, so the map still names the
     initializer of every weight; the eager reference is rebuilt from the rounded values it holds.
+    converted: initializers written in `dtype` already (to_dtype).
     """
     check_dtype(dtype)
     if dtype == "float32":
@@ -313,6 +345,6 @@ def apply(model, protos: dict, entries: list[dict], dtype: str) -> None:
     parameter_names = {name for name, _ in model.named_parameters()}
     for entry in entries:
         parameters = {place["initializer"] for name, place in entry["weights"].items() if name in parameter_names}
-        to_dtype(protos[entry["name"]], dtype, parameters)
+        to_dtype(protos[entry["name"]], dtype, parameters, converted)
         entry["inputs"] = input_specs(entry["inputs"], dtype)
         entry["outputs"] = input_specs(entry["outputs"], dtype)

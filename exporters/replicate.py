@@ -34,10 +34,12 @@ import torch.nn as nn
 from onnx import numpy_helper
 
 from artifact import array_digest, weightless
+from artifact.write import PendingWeights
 
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 BLOCK_LIST = "block"  # the ModuleList attribute holding the blocks of every stacked family
 REPLICABLE_FAMILIES = ("llama", "gpt")
+TRACE_VOCAB = 97  # the one-block model's vocabulary: a prime, so no other axis of the graph has its size
 
 
 def replicable(family: str, config) -> bool:
@@ -54,7 +56,10 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
 
     # Per-layer lists keep their first entry (replicable configs have every layer alike).
     per_layer = {k: getattr(config, k)[:1] for k in ("layer_types", "no_rope_layers") if getattr(config, k, None)}
-    small_config = dataclasses.replace(config, layers=1, **per_layer)
+    # A small vocabulary: the traced graph's embedding and head are placeholders the real ones replace, and at a
+    # 128k vocabulary they would be GBs the trace copies twice. Only the logits' declared width depends on it.
+    vocab = min(config.vocab_size, TRACE_VOCAB)
+    small_config = dataclasses.replace(config, layers=1, vocab_size=vocab, **per_layer)
     small = build_model(family, small_config, init=False)
     generator = torch.Generator().manual_seed(seed)
     real_buffers = dict(model.named_buffers())
@@ -70,10 +75,14 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
 def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, tuple[str, bool]] | None:
     """{initializer: (parameter name, transposed)} for initializers holding a parameter; None if an
     initializer looks derived from a parameter some other way (it could not be refilled)."""
-    arrays = [(init.name, numpy_helper.to_array(init)) for init in proto.graph.initializer]
+
     # A digest can only match an initializer of the same dtype and shape; the others (the transposed
-    # copy of a 49k-row embedding, say) are not hashed at all.
-    kinds = {(array.dtype.str, array.shape) for _, array in arrays}
+    # copy of a 49k-row embedding, say) are not hashed at all. Each initializer's array is read when its
+    # digest is taken and dropped after: together they are as large as the embedding and head.
+    def kind(init):
+        return onnx.helper.tensor_dtype_to_np_dtype(init.data_type).str, tuple(init.dims)
+
+    kinds = {kind(init) for init in proto.graph.initializer}
     by_digest = {}
     for name, param in small.named_parameters(remove_duplicate=False):
         array = param.detach().numpy()
@@ -84,7 +93,8 @@ def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, 
     buffers = {array_digest(b.detach().numpy()) for b in small.buffers()}
     shapes = {tuple(p.shape) for p in small.parameters()} | {tuple(p.shape)[::-1] for p in small.parameters()}
     sources = {}
-    for name, array in arrays:
+    for init in proto.graph.initializer:
+        name, array = init.name, numpy_helper.to_array(init)
         key = array_digest(array)
         if key in by_digest:
             sources[name] = by_digest[key]
@@ -129,13 +139,21 @@ def replicate(
 
 
 def replicate_with_weights(
-    model: nn.Module, small: nn.Module, proto: onnx.ModelProto, config, input_names: list[str], output_names: list[str]
+    model: nn.Module,
+    small: nn.Module,
+    proto: onnx.ModelProto,
+    config,
+    input_names: list[str],
+    output_names: list[str],
+    *,
+    weights: WeightFill | None = None,
 ) -> tuple[onnx.ModelProto, dict] | None:
     """replicate(), plus where each parameter of `model` was written: {name: {"initializer", "transpose"}}.
 
     The map is what onnx_export's byte search would find, known here without hashing the weights
     again: an initializer holding the weight as stored before one holding it transposed, the first
     of each in graph order; tied names share their weight's entry. Parameters written nowhere are absent.
+    weights: how the parameters are written (float32, kept in the model, by default).
     """
     sources = _initializer_sources(small, proto)
     if sources is None:
@@ -158,8 +176,29 @@ def replicate_with_weights(
     result = _assembled(proto, nodes, input_names, output_names, config.layers)
     if result is None:
         return None
-    placed = _fill_initializers(result.graph, plan, dict(model.named_parameters(remove_duplicate=False)))
+    _declare_vocabulary(result.graph, small.config.vocab_size, config.vocab_size)
+    placed = _fill_initializers(
+        result.graph, plan, dict(model.named_parameters(remove_duplicate=False)), weights or WeightFill()
+    )
     return result, _weight_entries(model, placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFill:
+    """How replicate writes the model's parameters into the graph.
+
+    dtype: the numpy dtype of the written weights. Writing them in the export dtype (float16, bfloat16) at once
+    saves the float32 copy of every weight that a conversion afterwards would hold; the graph's arithmetic stays
+    float32 until exporters.precision rewrites it, told which initializers are already converted.
+    release: free each parameter once its last initializer holds it. The graph then holds the only copy of the
+    weights, and the model is left without them (callers that export and discard an imported model).
+    """
+
+    dtype: np.dtype = np.dtype(np.float32)
+    release: bool = False
+    # With release, each weight's bytes are held here, its initializer marked pending (artifact.write), until
+    # the artifact is written.
+    pending: PendingWeights = dataclasses.field(default_factory=PendingWeights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,9 +340,13 @@ def _assembled(
 ) -> onnx.ModelProto | None:
     """A copy of `proto` with `nodes` and the named inputs and outputs, no initializers; None if one is undeclared."""
     values = {v.name: v for v in (*proto.graph.input, *proto.graph.output)}
-    result = copy.deepcopy(proto)
-    del result.graph.node[:], result.graph.initializer[:], result.graph.value_info[:]
-    del result.graph.input[:], result.graph.output[:]
+    result = onnx.ModelProto()  # a field-by-field copy: a deep copy would copy the traced weights first
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(result, field, getattr(proto, field))
+    result.opset_import.extend(proto.opset_import)
+    result.functions.extend(proto.functions)
+    result.metadata_props.extend(proto.metadata_props)
+    result.graph.name, result.graph.doc_string = proto.graph.name, proto.graph.doc_string
     result.graph.node.extend(nodes)
     for names, field in ((input_names, result.graph.input), (output_names, result.graph.output)):
         for name in names:
@@ -312,6 +355,14 @@ def _assembled(
                 return None
             field.append(info)
     return result
+
+
+def _declare_vocabulary(graph: onnx.GraphProto, traced: int, real: int) -> None:
+    """Declare the real vocabulary where the one-block trace declared its own (the logits' last axis)."""
+    for value in (*graph.input, *graph.output):
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value") and dim.dim_value == traced:
+                dim.dim_value = real
 
 
 def _declaration(values: dict[str, onnx.ValueInfoProto], name: str, layers: int) -> onnx.ValueInfoProto | None:
@@ -328,24 +379,48 @@ def _declaration(values: dict[str, onnx.ValueInfoProto], name: str, layers: int)
 
 
 def _fill_initializers(
-    graph: onnx.GraphProto, plan: list, params: dict[str, nn.Parameter]
+    graph: onnx.GraphProto, plan: list, params: dict[str, nn.Parameter], fill: WeightFill
 ) -> list[tuple[str, str, bool]]:
-    """Append the plan's initializers to `graph`, weights from `params` as float32; return the weight entries."""
+    """Append the plan's initializers to `graph`, weights from `params` as `fill` says; return the weight entries."""
+    last_use = {id(params[entry[1]]): k for k, entry in enumerate(plan) if not isinstance(entry, onnx.TensorProto)}
+    data_type = onnx.helper.np_dtype_to_tensor_dtype(fill.dtype)
     placed = []
-    for entry in plan:
+    for k, entry in enumerate(plan):
         if isinstance(entry, onnx.TensorProto):
             graph.initializer.add().CopyFrom(entry)
             continue
         # Filled in place: the model's weights are hundreds of MB, so they are copied once, not per step.
         name, param, transposed = entry
-        array = params[param].detach().to(torch.float32).numpy()
-        array = np.ascontiguousarray(array.T if transposed else array)
+        array = _weight_array(params[param].detach(), transposed, fill.dtype, param)
         tensor = graph.initializer.add()
-        tensor.name, tensor.data_type = name, onnx.TensorProto.FLOAT
+        tensor.name, tensor.data_type = name, data_type
         tensor.dims.extend(array.shape)
-        tensor.raw_data = array.astype("<f4", copy=False).tobytes()
+        if fill.release:  # the array may share the parameter's memory, which the release below hands over
+            fill.pending.add(tensor, array)
+        else:
+            tensor.raw_data = array.tobytes()
+        del array
         placed.append((name, param, transposed))
+        if fill.release and last_use[id(params[param])] == k:
+            params[param].data = torch.empty(0, dtype=params[param].dtype)
     return placed
+
+
+def _weight_array(tensor: torch.Tensor, transposed: bool, dtype: np.dtype, name: str) -> np.ndarray:
+    """The weight as written: C-contiguous, transposed when asked, in `dtype`. A tensor already in `dtype` (an
+    import that kept bfloat16) is not widened to float32 on the way."""
+    import ml_dtypes
+
+    from exporters.precision import convert_numpy
+
+    tensor = tensor.T if transposed else tensor
+    same = {np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat16): torch.bfloat16}.get(dtype)
+    if tensor.dtype == same == torch.bfloat16:  # numpy has no bfloat16: its bits, viewed as ml_dtypes'
+        return tensor.contiguous().view(torch.int16).numpy().view(dtype)
+    if tensor.dtype == same:
+        return tensor.contiguous().numpy()
+    array = tensor.to(torch.float32).contiguous().numpy()
+    return array if dtype == np.float32 else convert_numpy(array, dtype, f"weight {name!r}")
 
 
 def _weight_entries(model: nn.Module, placed: list[tuple[str, str, bool]]) -> dict[str, dict]:

@@ -60,14 +60,46 @@ __all__ = [
 ]
 
 
-def import_checkpoint(path: str | Path) -> ImportedCheckpoint:
+def import_checkpoint(path: str | Path, *, keep_dtype: bool = False) -> ImportedCheckpoint:
+    """The checkpoint's model, config, tokenizer and provenance. keep_dtype: float16/bfloat16 weights of a
+    safetensors checkpoint stay in that dtype (the model is then for export_model(release_weights=True), which
+    converts one tensor at a time) instead of becoming float32 at once."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such checkpoint; give a Hugging Face directory or a .gguf file")
     if path.is_dir():
-        return import_huggingface(path)
+        return import_huggingface(path, keep_dtype=keep_dtype)
     if path.suffix.lower() == ".gguf":
         return import_gguf(path)
     raise ModelFileError(
         f"{path}: not a checkpoint; expected a Hugging Face directory (config.json + *.safetensors) or a .gguf file"
     )
+
+
+def checkpoint_weights(path: str | Path) -> tuple[int, str]:
+    """(parameters, the dtype most of them are stored in) of a checkpoint's floating tensors, from its headers
+    alone: what an export will hold, known before a weight is read. (0, "float32") when the path is not a
+    readable checkpoint; the import then says why. A GGUF import dequantizes to float32."""
+    import math
+
+    path = Path(path)
+    counts: dict[str, int] = {}
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    try:
+        if path.is_dir():
+            from models.checkpoints.safetensors_reader import check_safetensors_header, safetensors_files
+
+            for file in safetensors_files(path):
+                for name, info in check_safetensors_header(file).items():
+                    if name != "__metadata__" and info["dtype"] in names:
+                        kind = names[info["dtype"]]
+                        counts[kind] = counts.get(kind, 0) + math.prod(info["shape"])
+        elif path.suffix.lower() == ".gguf" and path.is_file():
+            from models.checkpoints.gguf_reader import check_gguf_header
+
+            counts["float32"] = sum(math.prod(t.shape) for t in check_gguf_header(path).tensors.values())
+    except ModelFileError:
+        return 0, "float32"
+    if not counts:
+        return 0, "float32"
+    return sum(counts.values()), max(counts, key=counts.get)

@@ -464,5 +464,5 @@ def decoder_names(c: LlamaConfig, tensors: dict, where, model_type: str = "llama
         # Gemma's RMSNorm multiplies by (1 + weight), computed in float32: stored here as that sum.
         for name, tensor in state.items():
             if name.endswith("norm.weight"):
-                state[name] = (1.0 + tensor.to(torch.float32)).to(tensor.dtype)
+                state[name] = 1.0 + tensor.to(torch.float32)  # float32 even when the import keeps bfloat16
     return state

@@ -160,7 +160,7 @@ GPT2_KEYS = KeyPolicy(
 )
 
 
-def import_huggingface(directory: Path) -> ImportedCheckpoint:
+def import_huggingface(directory: Path, *, keep_dtype: bool = False) -> ImportedCheckpoint:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ModelFileError(f"{directory}: missing config.json; is this a Hugging Face model directory?")
@@ -186,9 +186,9 @@ def import_huggingface(directory: Path) -> ImportedCheckpoint:
         )
     keys.check(hf, config, config_path)
     stored = {}
-    tensors = read_safetensors(directory, stored)
+    tensors = read_safetensors(directory, stored, keep_dtype=keep_dtype)
     state = expected(config, tensors, directory)
-    model = load_model(family, config, state, directory)
+    model = load_model(family, config, state, directory, assign=True)  # the tensors read are ours
     source = {"format": "huggingface", "path": str(directory), "architecture": model_type}
     if stored:  # the dtype most of the weights are stored in: what `toolkit export` keeps by default
         source["dtype"] = max(stored, key=stored.get)

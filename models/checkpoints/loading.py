@@ -58,7 +58,7 @@ def load_model(family: str, config, state: dict, where, *, assign: bool = False)
         raise ModelFileError(f"{where}: no source tensor for {missing[0]!r}")
     for name in sorted(expected):
         value = state[name]
-        if torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        if torch.is_tensor(value) and value.is_floating_point() and not _all_finite(value):
             bad = int((~torch.isfinite(value)).sum())
             raise ModelFileError(
                 f"{where}: weight {name!r} holds {bad} non-finite value(s) (NaN/Inf); the checkpoint "
@@ -74,3 +74,11 @@ def load_model(family: str, config, state: dict, where, *, assign: bool = False)
                 owner, _, attr = other.rpartition(".")
                 setattr(model.get_submodule(owner), attr, model.get_parameter(first))
     return model.eval()
+
+
+FINITE_CHUNK = 1 << 22  # elements per isfinite call: it allocates float temporaries the size of its input
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(flat[i : i + FINITE_CHUNK]).all()) for i in range(0, flat.numel(), FINITE_CHUNK))

@@ -1,9 +1,11 @@
-"""safetensors checkpoints: the header checked against the file, then the tensors read by the library.
+"""safetensors checkpoints: the header checked against the file, then the tensors read one by one.
 
 Layout: u64 little-endian N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
 then the data; offsets are relative to the data and must tile it without overlaps. Every length,
-shape and offset is checked against the file size before `safetensors` parses the header, so no
-allocation is sized by an unchecked field; library exceptions become ModelFileError naming the file.
+shape and offset is checked against the file size before a byte of data is read, so no allocation
+is sized by an unchecked field. Each tensor is then read with plain file reads into memory it owns
+(converted to float32 at once): a memory-mapped file would add its touched pages to the process's
+resident set beside the converted copy, doubling the peak of importing a multi-GB checkpoint.
 """
 
 from __future__ import annotations
@@ -33,25 +35,84 @@ SAFETENSORS_DTYPES = {
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own header-size limit
 
 
-def read_safetensors(directory: Path, stored: dict | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory's safetensors files (sharded or not), as float32.
-    `stored`, when given, receives {dtype name: elements} of the floating tensors as the files store them."""
-    from safetensors import SafetensorError, safe_open
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
+
+def read_safetensors(
+    directory: Path, stored: dict | None = None, *, keep_dtype: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory's safetensors files (sharded or not), floating ones as float32
+    (or, with keep_dtype, float16 and bfloat16 ones as stored). `stored`, when given, receives {dtype name:
+    elements} of the floating tensors as the files store them."""
     tensors = {}
     for file in safetensors_files(directory):
-        check_safetensors_header(file)
+        header, data_start = _checked_header(file)
         try:
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    tensor = handle.get_tensor(name)
-                    if stored is not None and tensor.is_floating_point():
-                        kind = str(tensor.dtype).removeprefix("torch.")
-                        stored[kind] = stored.get(kind, 0) + tensor.numel()
-                    tensors[name] = tensor.to(torch.float32)
-        except (SafetensorError, OSError, RuntimeError, ValueError, TypeError) as exc:
-            raise ModelFileError(f"{file}: unreadable safetensors file ({exc})") from None
+            with open(file, "rb") as handle:
+                for name, info in header.items():
+                    if name == "__metadata__":
+                        continue
+                    dtype = TORCH_DTYPES[info["dtype"]]
+                    if dtype.is_floating_point:
+                        kept = keep_dtype and dtype in (torch.float16, torch.bfloat16)
+                        tensor = (_read_tensor if kept else _read_float32)(handle, data_start, info)
+                        if stored is not None:
+                            kind = str(dtype).removeprefix("torch.")
+                            stored[kind] = stored.get(kind, 0) + tensor.numel()
+                    else:
+                        tensor = _read_tensor(handle, data_start, info)
+                    tensors[name] = tensor
+        except OSError as exc:
+            raise ModelFileError(f"{file}: cannot read ({exc.strerror or exc})") from None
     return tensors
+
+
+READ_CHUNK_BYTES = 64 << 20
+
+
+def _read_float32(handle, data_start: int, info: dict) -> torch.Tensor:
+    """A floating tensor as float32. A float16/bfloat16 one is converted a chunk at a time into the float32
+    tensor: reading it whole first would hold it at both widths (1.5 GB beside 1 GB for a 128k x 2048 embedding)."""
+    dtype = TORCH_DTYPES[info["dtype"]]
+    if dtype == torch.float32:
+        return _read_tensor(handle, data_start, info)
+    begin, end = info["data_offsets"]
+    width = SAFETENSORS_DTYPES[info["dtype"]]
+    out = torch.empty(info["shape"], dtype=torch.float32)
+    flat = out.view(-1)
+    step = max(READ_CHUNK_BYTES // width, 1)
+    handle.seek(data_start + begin)
+    for first in range(0, flat.numel(), step):
+        count = min(step, flat.numel() - first)
+        buffer = bytearray(count * width)
+        if handle.readinto(buffer) != len(buffer):
+            raise OSError(f"short read at byte {data_start + begin + first * width}")
+        flat[first : first + count] = torch.frombuffer(buffer, dtype=dtype)
+    return out
+
+
+def _read_tensor(handle, data_start: int, info: dict) -> torch.Tensor:
+    """One tensor of a checked header, read from the open file into a buffer of its own (little-endian data)."""
+    begin, end = info["data_offsets"]
+    buffer = bytearray(end - begin)
+    handle.seek(data_start + begin)
+    if handle.readinto(buffer) != len(buffer):
+        raise OSError(f"short read at byte {data_start + begin}")
+    dtype = TORCH_DTYPES[info["dtype"]]
+    if not buffer:
+        return torch.empty(info["shape"], dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(info["shape"])
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -76,7 +137,12 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def check_safetensors_header(file: Path) -> dict:
-    """Validate a safetensors header against the file before the library reads it; returns the header."""
+    """Validate a safetensors header against the file before any data is read; returns the header."""
+    return _checked_header(file)[0]
+
+
+def _checked_header(file: Path) -> tuple[dict, int]:
+    """(the checked header, the file offset where the data section starts)."""
     raw, data_size = _header_bytes(file)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -100,7 +166,18 @@ def check_safetensors_header(file: Path) -> dict:
                 f"{file}: unreadable safetensors file: tensors {a!r:.80} and {b!r:.80} overlap "
                 f"(bytes from {begin_b} to {end_a}); the header lies"
             )
-    return header
+        if begin_b > end_a:
+            raise ModelFileError(
+                f"{file}: unreadable safetensors file: {begin_b - end_a} unclaimed byte(s) between tensors "
+                f"{a!r:.80} and {b!r:.80}; the format packs tensors without gaps"
+            )
+    covered = (spans[0][0], spans[-1][1]) if spans else (0, 0)
+    if covered != (0, data_size):
+        raise ModelFileError(
+            f"{file}: unreadable safetensors file: the tensors cover bytes {covered[0]} to {covered[1]} of a "
+            f"{data_size}-byte data section; the format packs them from its start to its end"
+        )
+    return header, 8 + len(raw)
 
 
 def _header_bytes(file: Path) -> tuple[bytes, int]:

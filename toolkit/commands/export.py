@@ -39,6 +39,42 @@ def checkpoint_dtype(stored: str | None, requested: str | None) -> tuple[str, st
     return "float32", None
 
 
+EXPORT_OVERHEAD_BYTES = 1 << 30  # interpreter, torch, the one-block trace and a tensor in flight (measured < 1 GiB)
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def export_memory(parameters: int, stored: str, written: str, lowering: str) -> int:
+    """Bytes `toolkit export --from` needs at its peak for a checkpoint of `parameters` stored as `stored` and
+    written as `written`. The default lowering holds one copy of the weights, the larger of the stored and the
+    written one; the others rebuild the weights beside the model's float32 copy."""
+    stored_bytes = min(DTYPE_BYTES[stored], 4)  # the import keeps float16/bfloat16 and reads the rest as float32
+    width = DTYPE_BYTES[written]
+    per_parameter = max(stored_bytes, width) if lowering == DEFAULT_LOWERING else 4 + 2 * width
+    return parameters * per_parameter + EXPORT_OVERHEAD_BYTES
+
+
+def check_memory(weights: tuple[int, str], dtype: str | None, lowering: str) -> None:
+    """Refuse, before reading a weight, an export that cannot fit in this machine's available memory."""
+    from toolkit.check.oracle import available_memory
+
+    parameters, stored = weights
+    available = available_memory()
+    if not parameters or available is None:
+        return
+    written = checkpoint_dtype(stored, dtype)[0]
+    needed = export_memory(parameters, stored, written, lowering)
+    if needed <= available:
+        return
+    smaller = ""
+    half = export_memory(parameters, stored, "bfloat16", lowering)
+    if written == "float32" and half < needed:
+        smaller = f"; as bfloat16 (--dtype bfloat16) it would need about {half / 2**30:.1f} GiB"
+    raise ConfigError(
+        f"exporting {parameters / 1e9:.2f}B parameters as {written} needs about {needed / 2**30:.1f} GiB of memory "
+        f"and {available / 2**30:.1f} GiB is available{smaller}; free memory or export on a larger machine"
+    )
+
+
 @click.command("export")
 @click.option("--preset", help="Named preset (see `toolkit presets`); default: worked-example.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="JSON file: {family, seed, config}.")
@@ -119,10 +155,11 @@ def command(
     if checkpoint:
         if preset or config_file:
             raise ConfigError("give --from on its own, not with --preset or --config")
-        from models.checkpoints import import_checkpoint
+        from models.checkpoints import checkpoint_weights, import_checkpoint
 
+        check_memory(checkpoint_weights(checkpoint), dtype, lowering)
         progress(f"importing {checkpoint}")
-        imported = import_checkpoint(checkpoint)
+        imported = import_checkpoint(checkpoint, keep_dtype=True)  # converted tensor by tensor as it is written
         parameters = sum(p.numel() for p in imported.model.parameters())
         progress(f"imported {parameters / 1e6:,.1f}M parameters ({imported.config.layers} layers)")
         dtype, dtype_note = checkpoint_dtype(imported.source.get("dtype"), dtype)
@@ -152,6 +189,7 @@ def command(
                 dtype=dtype,
                 external_data=external_data,
                 progress=progress,
+                release_weights=True,  # the imported model is written once and not used again
             )
 
         if verify is False or skip is not None:
