@@ -3,10 +3,21 @@
 The file is walked and checked by gguf_reader.py first; the tokenizer metadata is type- and
 range-checked here before TextTokenizer.from_gguf builds a tokenizer from it. Every metadata key is
 implemented, known not to change the computation, or refused (config_keys.KeyPolicy, gguf_key_policy).
+
+    llama, qwen2, qwen3   metadata read straight into a LlamaConfig
+    gemma2, gemma3, phi3  metadata restated as the config.json of the same architecture and mapped by
+                          hf_decoders.decoder_config, with llama.cpp's defaults and rules where the file is
+                          silent (Gemma 2's soft caps and window, the sliding-layer patterns, Gemma's query scale);
+                          Phi-3's window as transformers applies it (llama.cpp ignores it), LongRoPE refused
+
+The file's computation is llama.cpp's (src/models/<arch>.cpp): Gemma files store the (1 + w) RMSNorm gains
+already summed (convert_hf_to_gguf.py adds 1), which is what our norms multiply by; Phi-3 files hold fused
+attn_qkv ([q; k; v] rows) and ffn_up ([gate; up] rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -16,14 +27,30 @@ import torch
 from artifact.errors import ConfigError, ModelFileError
 from models.checkpoints.config_keys import KeyPolicy, Only, is_int
 from models.checkpoints.gguf_reader import GGUF_PLAIN_TYPES, GGUFTensor, check_gguf_header
+from models.checkpoints.hf_decoders import decoder_config
 from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
 from models.llama import LlamaConfig
 from models.tokenizer import TextTokenizer
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # llama.cpp's converter permutes a llama file's Q/K rows so that interleaved pairs (2i, 2i+1) rotate together;
 # Qwen2/3 files keep Hugging Face's rows, which llama.cpp rotates as NEOX pairs (i, i + head_width/2).
 GGUF_ROPE_PAIRING = {"llama": "interleaved", "qwen2": "half", "qwen3": "half"}
+# GGUF architectures mapped through hf_decoders (which rotates NEOX pairs, as llama.cpp does for these):
+# the Hugging Face model type whose switches they share.
+GGUF_HF_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
+GEMMA = ("gemma2", "gemma3")
+# llama.cpp's values where a Gemma 2 file omits the key (llama_model_gemma2::load_arch_hparams, llama_hparams).
+GEMMA2_DEFAULTS = {"attention.sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+# load_swa_pattern's default n: layer i slides unless i % n == n - 1 (every n-th layer sees the whole context).
+GGUF_SWA_PATTERNS = {"gemma2": 2, "gemma3": 6}
+# A GGUF file stores no query_pre_attn_scalar: llama.cpp scales Gemma's queries by 1/sqrt(head width), except for
+# the 27B sizes, which it knows by their layer count, whose scalar is width / heads (gemma_pytorch's configs).
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# The sliding layers' RoPE base when a Gemma 3 file gives none (llama_hparams.rope_freq_base_train_swa).
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# Phi-3's LongRoPE: per-frequency factors that llama.cpp switches between by the context size it is run at.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 GGUF_TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 # Row length handed to gguf's dequantizer (16 rows per numpy call): SmolLM2's rows are a few hundred
 # bytes, so calls are mostly overhead; much longer rows are slower again (their temporaries are
@@ -40,6 +67,54 @@ def gguf_key_policy(arch: str) -> KeyPolicy:
     def head_width(raw, ours) -> str:
         return f"attention.key_length (or embedding_length/head_count) = {ours.head_width}"
 
+    def same_as(key: str, default):
+        # A sliding-layer variant of `key`: implemented where it repeats `key`'s value.
+        return Only(
+            lambda v, raw, ours: v == raw.get(f"{arch}.{key}", default),
+            lambda raw, ours: f"{arch}.{key} = {raw.get(f'{arch}.{key}', default)} (one value for every layer)",
+        )
+
+    policy = _base_key_policy(arch, at_head_width, head_width)
+    implemented, only = set(policy.implemented), dict(policy.only)
+    if arch in GGUF_HF_TYPES:
+        implemented.add(f"{arch}.attention.sliding_window")
+        only.pop(f"{arch}.attention.sliding_window")
+        # Per-layer head and rotary widths for the sliding layers, which llama.cpp reads for every architecture.
+        only[f"{arch}.attention.key_length_swa"] = Only(at_head_width, head_width)
+        only[f"{arch}.attention.value_length_swa"] = Only(at_head_width, head_width)
+        only[f"{arch}.rope.dimension_count_swa"] = Only(
+            lambda v, raw, ours: v == (ours.rotary_dim or ours.head_width),
+            lambda raw, ours: f"rope.dimension_count = {ours.rotary_dim or ours.head_width}",
+        )
+    if arch in GEMMA:
+        implemented.add(f"{arch}.attention.sliding_window_pattern")
+    if arch == "gemma2":
+        implemented |= {f"{arch}.attn_logit_softcapping", f"{arch}.final_logit_softcapping"}
+        # llama.cpp scales a Gemma 2 file's sliding layers' RoPE as its full layers' (freq_scale_swa = freq_scale),
+        # which our local_rope_base (unscaled) does not express: one base for every layer.
+        only[f"{arch}.rope.freq_base_swa"] = same_as("rope.freq_base", 10000.0)
+    if arch == "gemma3":
+        implemented |= {f"{arch}.final_logit_softcapping", f"{arch}.rope.freq_base_swa"}
+        # llama.cpp's Gemma 3 graph has no attention soft cap (Gemma 3 dropped it); a file that asks for one
+        # would compute differently in transformers.
+        only[f"{arch}.attn_logit_softcapping"] = Only(
+            lambda v, raw, ours: v in (None, 0), "0 (Gemma 3 has no attention soft cap; llama.cpp reads none)"
+        )
+    if arch == "phi3":
+        implemented.add(f"{arch}.rope.dimension_count")  # partial rotary: RoPE on the first n dims of each head
+        only.pop(f"{arch}.rope.dimension_count")
+    return KeyPolicy(
+        policy.importer,
+        frozenset(implemented),
+        only,
+        policy.inert,
+        policy.inert_prefixes,
+        policy.subject,
+    )
+
+
+def _base_key_policy(arch: str, at_head_width, head_width) -> KeyPolicy:
+    """The keys every architecture's file shares."""
     return KeyPolicy(
         f"GGUF {arch}",
         implemented=frozenset(
@@ -96,7 +171,9 @@ def gguf_key_policy(arch: str) -> KeyPolicy:
         },
         inert=frozenset(
             {
-                # YaRN's parameters: they only act with a scaling type, which is refused unless "none".
+                # YaRN's parameters: they only act with a scaling type, which is refused unless "none" or "linear";
+                # Phi-3's converter writes the original context, which only chooses between LongRoPE factor
+                # tensors (refused by name).
                 f"{arch}.rope.scaling.original_context_length",
                 f"{arch}.rope.scaling.finetuned",
             }
@@ -122,14 +199,25 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
         raise ModelFileError(
             f"{path}: GGUF architecture {arch!r:.60} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
-    factors = None
-    if "rope_freqs.weight" in tensors_by_name:
-        factors = _dequantize(tensors_by_name["rope_freqs.weight"], path).reshape(-1).tolist()
-    config = _llama_config(fields, arch, tensors_by_name.keys(), path, factors)
+    longrope = [name for name in LONGROPE_TENSORS if name in tensors_by_name]
+    if longrope:
+        raise ModelFileError(
+            f"{path}: tensor {longrope[0]!r} is LongRoPE scaling (short/long per-frequency factors that llama.cpp "
+            f"switches between by context size), which the GGUF {arch} import does not implement; supported: "
+            "unscaled or linear RoPE (e.g. a 4k-context Phi-3 or Phi-4 file)"
+        )
+    if arch in GGUF_HF_TYPES:
+        config = _decoder_config(fields, arch, tensors_by_name.keys(), path)
+    else:
+        factors = None
+        if "rope_freqs.weight" in tensors_by_name:
+            factors = _dequantize(tensors_by_name["rope_freqs.weight"], path).reshape(-1).tolist()
+        config = _llama_config(fields, arch, tensors_by_name.keys(), path, factors)
     gguf_key_policy(arch).check(fields, config, path)
     tensors = {name: (lambda t=t: _dequantize(t, path)) for name, t in tensors_by_name.items()}
-    tensors.pop("rope_freqs.weight", None)  # read into the config above
-    state = _gguf_names(config, tensors, path)
+    if arch not in GGUF_HF_TYPES:
+        tensors.pop("rope_freqs.weight", None)  # read into the config above
+    state = _gguf_names(config, tensors, path, arch)
     model = load_model("llama", config, state, path, assign=True)  # the dequantized tensors are ours
     tokenizer = _gguf_tokenizer(fields, config.vocab_size, path) if "tokenizer.ggml.tokens" in fields else None
     source = {"format": "gguf", "path": str(path), "architecture": arch}
@@ -150,20 +238,25 @@ def _rope_scaling(fields: dict, arch: str, factors) -> dict | None:
     return None
 
 
+def _meta(fields: dict, arch: str, path: Path, key: str, default=None, kind=int):
+    """Metadata `{arch}.{key}` (or `default` where the file omits it), an integer or a finite number."""
+    value = fields.get(f"{arch}.{key}", default)
+    if value is None:
+        raise ModelFileError(f"{path}: missing GGUF metadata {arch}.{key}")
+    number = (int, float) if kind is float else int
+    if isinstance(value, bool) or not isinstance(value, number) or (kind is float and not math.isfinite(value)):
+        raise ModelFileError(
+            f"{path}: GGUF metadata {arch}.{key} is {value!r:.60}; expected "
+            f"{'a finite number' if kind is float else 'an integer'}"
+        )
+    return kind(value)
+
+
 def _llama_config(fields: dict, arch: str, tensor_names, path: Path, rope_factors=None) -> LlamaConfig:
     """The config from `{arch}.*` metadata; the tensor names tell tied embeddings and biases."""
 
     def meta(key, default=None, kind=int):
-        value = fields.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelFileError(f"{path}: missing GGUF metadata {arch}.{key}")
-        number = (int, float) if kind is float else int
-        if isinstance(value, bool) or not isinstance(value, number) or (kind is float and not math.isfinite(value)):
-            raise ModelFileError(
-                f"{path}: GGUF metadata {arch}.{key} is {value!r:.60}; expected "
-                f"{'a finite number' if kind is float else 'an integer'}"
-            )
-        return kind(value)
+        return _meta(fields, arch, path, key, default, kind)
 
     heads = meta("attention.head_count")
     tokens = fields.get("tokenizer.ggml.tokens", [])
@@ -193,6 +286,104 @@ def _llama_config(fields: dict, arch: str, tensor_names, path: Path, rope_factor
         )
     except ConfigError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
+
+
+def _decoder_config(fields: dict, arch: str, tensor_names, path: Path) -> LlamaConfig:
+    """Gemma 2/3 and Phi-3: the metadata restated as the config.json hf_decoders.decoder_config maps onto the
+    llama family's switches, with llama.cpp's values where the file is silent."""
+
+    def meta(key, default=None, kind=int):
+        return _meta(fields, arch, path, key, default, kind)
+
+    layers, width, heads = meta("block_count"), meta("embedding_length"), meta("attention.head_count")
+    head_dim = meta("attention.key_length", 0) or None
+    tokens = fields.get("tokenizer.ggml.tokens", [])
+    rope = {"rope_type": "default", "rope_theta": meta("rope.freq_base", 10000.0, float)}
+    scaling = _rope_scaling(fields, arch, None)
+    if scaling is not None:
+        rope.update(scaling)
+    hf = {
+        "vocab_size": fields.get(f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, list) else 0),
+        "num_hidden_layers": layers,
+        "hidden_size": width,
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "intermediate_size": meta("feed_forward_length"),
+        "max_position_embeddings": meta("context_length", 2048),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", kind=float),
+        "head_dim": head_dim,
+        "rope_parameters": rope,
+    }
+    if arch in GEMMA:
+        window = meta(
+            "attention.sliding_window", GEMMA2_DEFAULTS["attention.sliding_window"] if arch == "gemma2" else 0
+        )
+        # Gemma 3 without a window (or with 0) is llama.cpp's non-sliding graph: every layer full.
+        sliding = _gguf_sliding_layers(fields, arch, layers, path) if window or arch == "gemma2" else [False] * layers
+        if any(sliding) and window <= 0:
+            raise ModelFileError(
+                f"{path}: GGUF metadata {arch}.attention.sliding_window is {window}; expected a positive window for "
+                "the sliding layers (llama.cpp masks every key with 0)"
+            )
+        hf["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+        hf["sliding_window"] = window if any(sliding) else None
+        hf["query_pre_attn_scalar"] = width // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim or width // heads
+        hf["attention_bias"] = False
+        if arch == "gemma2":
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                hf[key] = _positive(fields, arch, path, key, GEMMA2_DEFAULTS[key])
+        else:
+            hf["final_logit_softcapping"] = _positive(fields, arch, path, "final_logit_softcapping", 0.0) or None
+            if any(sliding):
+                local = {
+                    "rope_type": "default",
+                    "rope_theta": meta("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE, float),
+                }
+                hf["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
+    else:
+        # Phi-3: one window for every layer, as transformers applies it; 0 means none (Phi-4). llama.cpp reads the
+        # window but computes without it ("Phi SWA is currently disabled"), so past the window its logits are
+        # not the model's, and `toolkit check --oracle llama.cpp` agrees only on prompts no longer than it.
+        hf["sliding_window"] = meta("attention.sliding_window", 0) or None
+    # Gemma 2 files have no output.weight: llama.cpp always reads the output from token_embd.
+    tie = arch == "gemma2" or "output.weight" not in tensor_names
+    config = decoder_config(hf, path, GGUF_HF_TYPES[arch], tie)
+    rotary = meta("rope.dimension_count", 0) if arch == "phi3" else 0
+    if rotary and rotary != config.head_width:
+        try:
+            config = dataclasses.replace(config, rotary_dim=rotary)
+        except ConfigError:
+            raise ModelFileError(
+                f"{path}: GGUF metadata {arch}.rope.dimension_count is {rotary}; expected an even number of "
+                f"dimensions up to the head width {config.head_width}"
+            ) from None
+    return config
+
+
+def _positive(fields: dict, arch: str, path: Path, key: str, default: float) -> float:
+    """A soft cap: positive (llama.cpp divides by it), or `default` where the file omits it."""
+    value = _meta(fields, arch, path, key, default, float)
+    if value < 0 or (value == 0 and default != 0):
+        raise ModelFileError(f"{path}: GGUF metadata {arch}.{key} is {value}; expected a positive number")
+    return value
+
+
+def _gguf_sliding_layers(fields: dict, arch: str, layers: int, path: Path) -> list[bool]:
+    """Which layers slide (llama_model_base::load_swa_pattern): a per-layer array, or a period n where every
+    n-th layer attends to the whole context (0: every layer slides)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = fields.get(key, GGUF_SWA_PATTERNS[arch])
+    if isinstance(pattern, list):
+        if len(pattern) != layers or not all(isinstance(p, (bool, int)) and p in (0, 1) for p in pattern):
+            raise ModelFileError(
+                f"{path}: GGUF metadata {key} is {pattern!r:.60}; expected {layers} flags (one per layer) or a period"
+            )
+        return [bool(p) for p in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise ModelFileError(
+            f"{path}: GGUF metadata {key} is {pattern!r:.60}; expected a period >= 0 or per-layer flags"
+        )
+    return [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
 
 
 def _gguf_tokenizer(fields: dict, vocab_size: int, path: Path) -> TextTokenizer:
@@ -261,7 +452,7 @@ def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _gguf_names(c: LlamaConfig, lazy: dict, where) -> dict:
+def _gguf_names(c: LlamaConfig, lazy: dict, where, arch: str = "llama") -> dict:
     """Our state dict from llama.cpp's names; `lazy` maps each name to a function that dequantizes it."""
     tensors = {}
 
@@ -271,6 +462,11 @@ def _gguf_names(c: LlamaConfig, lazy: dict, where) -> dict:
         tensors[name] = lazy.pop(name)()
         return take_tensor(tensors, name, shape, where)
 
+    def split(name, shape, parts):
+        """A fused tensor's rows, in order, as our `parts` ({our name: rows})."""
+        fused = take(name, shape)
+        return dict(zip(parts, (p.clone() for p in fused.split(list(parts.values()))), strict=True))
+
     d, f, hd = c.width, c.ff_width, c.head_width
     q, kv = c.heads * hd, c.kv_heads * hd
     state = {"embed_tokens.weight": take("token_embd.weight", (c.vocab_size, d))}
@@ -278,15 +474,29 @@ def _gguf_names(c: LlamaConfig, lazy: dict, where) -> dict:
         g, ours = f"blk.{i}.", f"block.{i}."
         names = [
             ("attn_norm.weight", "attention_norm.weight", (d,)),
-            ("attn_q.weight", "attention.q_proj.weight", (q, d)),
-            ("attn_k.weight", "attention.k_proj.weight", (kv, d)),
-            ("attn_v.weight", "attention.v_proj.weight", (kv, d)),
             ("attn_output.weight", "attention.o_proj.weight", (d, q)),
             ("ffn_norm.weight", "feed_forward_norm.weight", (d,)),
-            ("ffn_gate.weight", "feed_forward.gate_proj.weight", (f, d)),
-            ("ffn_up.weight", "feed_forward.up_proj.weight", (f, d)),
             ("ffn_down.weight", "feed_forward.down_proj.weight", (d, f)),
         ]
+        rows = dict(zip("qkv", (q, kv, kv), strict=True))
+        if arch in GGUF_HF_TYPES and g + "attn_qkv.weight" in lazy:  # llama.cpp's create_tensor_qkv reads either
+            parts = {f"attention.{p}_proj.weight": n for p, n in rows.items()}
+            state.update({ours + k: v for k, v in split(g + "attn_qkv.weight", (q + 2 * kv, d), parts).items()})
+        else:
+            names += [(f"attn_{p}.weight", f"attention.{p}_proj.weight", (n, d)) for p, n in rows.items()]
+        if arch == "phi3":  # ffn_up holds [gate; up] rows: llama.cpp's swiglu is silu(first half) * second half
+            gate_up = {"feed_forward.gate_proj.weight": f, "feed_forward.up_proj.weight": f}
+            state.update({ours + k: v for k, v in split(g + "ffn_up.weight", (2 * f, d), gate_up).items()})
+        else:
+            names += [
+                ("ffn_gate.weight", "feed_forward.gate_proj.weight", (f, d)),
+                ("ffn_up.weight", "feed_forward.up_proj.weight", (f, d)),
+            ]
+        if c.norm_placement == "sandwich":  # Gemma: a norm after each branch too
+            names += [
+                ("post_attention_norm.weight", "attention_post_norm.weight", (d,)),
+                ("post_ffw_norm.weight", "feed_forward_post_norm.weight", (d,)),
+            ]
         if c.attention_bias != "none":
             names += [
                 (f"attn_{p}.bias", f"attention.{p}_proj.bias", (w,)) for p, w in zip("qkv", (q, kv, kv), strict=True)

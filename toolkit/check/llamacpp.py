@@ -16,6 +16,7 @@ of the function, and a max-abs bar would be meaningless. The measure is the logi
 the GGUF (or of the artifact, when it is stored in a lower precision):
 
     float32 weights    1e-5    (measured about 3e-7 on a 4-layer model)
+    float32, GELU      1e-3    (llama.cpp's CPU GELU reads a float16 table: 1.1e-4 to 2.2e-4 on Gemma 2/3)
     float16 weights    5e-3    (about 6e-4)
     bfloat16 weights   3e-2
     quantized weights  5e-2    (about 2e-2: SmolLM2-135M Q4_1, 30 layers; Q8_0/Q4_0 on a 4-layer model)
@@ -45,8 +46,9 @@ INSTALL_HINT = (
     'CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" pip install llama-cpp-python)'
 )
 DEFAULT_DECODE_STEPS = 8
-TOLERANCES = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2, "quantized": 5e-2}
-_PRECISION_ORDER = ("float32", "float16", "bfloat16", "quantized")
+TOLERANCES = {"float32": 1e-5, "float32-gelu": 1e-3, "float16": 5e-3, "bfloat16": 3e-2, "quantized": 5e-2}
+_PRECISION_ORDER = ("float32", "float32-gelu", "float16", "bfloat16", "quantized")
+GELU_ACTIVATIONS = ("gelu", "gelu_tanh")  # llama.cpp computes both from a float16 lookup table on the CPU
 _FLOAT_TYPES = {"F32": "float32", "F64": "float32", "F16": "float16", "BF16": "bfloat16"}
 _GGML_TYPE_F32 = 0  # ggml_type of the KV cache llama.cpp is asked for: no F16 rounding of keys and values
 
@@ -79,6 +81,8 @@ def precision_class(path: Path, artifact: Artifact) -> str:
     kinds = [gguf_precision(path), artifact.manifest.dtype if artifact.manifest.dtype in TOLERANCES else "float32"]
     if artifact.manifest.quantization:
         kinds.append("quantized")
+    if artifact.manifest.config.get("ffn_activation") in GELU_ACTIVATIONS:
+        kinds.append("float32-gelu")
     return max(kinds, key=_PRECISION_ORDER.index)
 
 
