@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +14,24 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Files this large report their hashing to HASH_PROGRESS's callback (the CLI shows it): minutes at 8B.
+PROGRESS_BYTES = 256 << 20
+PROGRESS_EVERY = 512 << 20
+HASH_PROGRESS: ContextVar[Callable[[str], None] | None] = ContextVar("hash_progress", default=None)
+
+
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+    """The file's sha256, read 1 MiB at a time."""
+    digest, report = hashlib.sha256(), HASH_PROGRESS.get()
+    size = Path(path).stat().st_size
+    report = report if report is not None and size >= PROGRESS_BYTES else None
+    done = 0
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
+            done += len(chunk)
+            if report is not None and (done % PROGRESS_EVERY < len(chunk) or done == size):
+                report(f"verifying {Path(path).name}: {done / 2**30:.2f} of {size / 2**30:.2f} GiB hashed")
     return digest.hexdigest()
 
 

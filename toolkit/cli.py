@@ -26,6 +26,12 @@ class ToolkitGroup(click.Group):
 @click.version_option(__version__, prog_name="toolkit")
 def main():
     """Export transformer decoders to ONNX and cross-check every backend against PyTorch."""
+    from artifact.hashing import HASH_PROGRESS
+    from toolkit.progress import Progress
+
+    # Loading a multi-GB artifact hashes every file first; on a terminal that shows (toolkit/progress.py).
+    progress = Progress("load")
+    HASH_PROGRESS.set(progress if progress.enabled else None)
 
 
 def _register() -> None:

@@ -21,3 +21,38 @@ def test_export_progress_on_stderr_only(tmp_path, monkeypatch):
     plain = invoke("export", "--preset", "decoder-small", "--out", tmp_path / "c")
     assert "[export" not in plain.stderr
     assert shown.stdout.replace(str(tmp_path / "a"), "OUT") == plain.stdout.replace(str(tmp_path / "c"), "OUT")
+
+
+def test_quantize_progress_names_each_step(tmp_path, monkeypatch):
+    out = invoke("export", "--preset", "decoder-small", "--variant", "serving", "--out", tmp_path / "float")
+    assert out.exit_code == 0, out.output
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    args = ("quantize", tmp_path / "float", "--bits", 8, "--greedy-tokens", 2)
+    shown = invoke(*args, "--out", tmp_path / "q")
+    assert shown.exit_code == 0, shown.output
+    steps = [re.sub(r"\[quantize +[\d.]+ s\] ", "", s) for s in shown.stderr.splitlines() if s.startswith("[quantize")]
+    assert [s.split(" ")[0] for s in steps] == ["reading", "quantizing", "writing", "measuring", "writing"], steps
+    assert re.match(r"quantizing model\.onnx: \d+ MatMuls to 8-bit \(rtn\)", steps[1]), steps[1]
+    quiet = invoke(*args, "--out", tmp_path / "q2", "--quiet")
+    assert quiet.exit_code == 0 and "[quantize" not in quiet.stderr
+
+
+def test_hashing_a_large_file_reports_its_progress(tmp_path):
+    from artifact.hashing import HASH_PROGRESS, PROGRESS_EVERY, sha256_file
+
+    big, small = tmp_path / "model.onnx.data", tmp_path / "small"
+    with open(big, "wb") as handle:  # sparse: no disk, hashed as zeros
+        handle.truncate(PROGRESS_EVERY * 3 // 2)
+    small.write_bytes(b"x" * 1000)
+    seen: list[str] = []
+    token = HASH_PROGRESS.set(seen.append)
+    try:
+        sha256_file(big)
+        sha256_file(small)  # below the size that reports
+    finally:
+        HASH_PROGRESS.reset(token)
+    every, size = PROGRESS_EVERY / 2**30, PROGRESS_EVERY * 1.5 / 2**30
+    assert seen == [
+        f"verifying model.onnx.data: {every:.2f} of {size:.2f} GiB hashed",
+        f"verifying model.onnx.data: {size:.2f} of {size:.2f} GiB hashed",
+    ]

@@ -8,6 +8,7 @@ import click
 
 from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
+from toolkit.progress import Progress
 from toolkit.quantize.pipeline import GREEDY_TOKENS, quantize_artifact
 
 
@@ -45,7 +46,8 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, quantize_artifact
 )
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Artifact directory to write.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the quality report here.")
-def command(artifact_dir, bits, block_size, algorithm, accuracy_level, greedy_tokens, out_dir, json_file):
+@click.option("--quiet", is_flag=True, help="No progress lines on stderr (shown on a terminal by default).")
+def command(artifact_dir, bits, block_size, algorithm, accuracy_level, greedy_tokens, out_dir, json_file, quiet):
     """Quantize the MatMul weights of ARTIFACT_DIR to --bits and report the quality lost against it."""
     result = quantize_artifact(
         artifact_dir,
@@ -55,6 +57,7 @@ def command(artifact_dir, bits, block_size, algorithm, accuracy_level, greedy_to
         accuracy_level=int(accuracy_level),
         algorithm=algorithm,
         greedy_tokens=greedy_tokens,
+        progress=Progress("quantize", quiet),
     )
     q = result.quality
     click.echo(

@@ -72,8 +72,11 @@ def quantize_artifact(
     accuracy_level: int = 0,
     algorithm: str = "rtn",
     greedy_tokens: int = GREEDY_TOKENS,
+    progress=None,
 ) -> QuantizeResult:
-    """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically)."""
+    """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically).
+    progress(message): called as each step starts, for a progress display."""
+    progress = progress or (lambda message: None)
     if bits not in BITS:
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size not in BLOCK_SIZES:
@@ -104,10 +107,13 @@ def quantize_artifact(
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, bytes] = {}
     total, untied = 0, False
-    for entry, graph in zip(manifest["graphs"], source.graphs, strict=False):
+    for k, (entry, graph) in enumerate(zip(manifest["graphs"], source.graphs, strict=False)):
+        progress(f"reading graph {k + 1} of {len(source.graphs)} ({graph.model_path.name})")
         proto = load_onnx(graph.model_path)
         weights = torch_weights(proto, graph.entry.data["weights"])
         prepared, folded = prepare_proto(proto)
+        matmuls = sum(1 for n in prepared.graph.node if n.op_type == "MatMul")
+        progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({algorithm})")
         proto, count = quantize_proto(
             prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
         )
@@ -153,9 +159,12 @@ def quantize_artifact(
     parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.eval-", dir=parent) as scratch:
         scratch_dir = Path(scratch) / "artifact"
+        progress(f"writing a scratch copy of the {total} quantized weights to measure it")
         write_artifact(scratch_dir, _serialise(manifest, files, extra))
+        progress("measuring logits error, greedy agreement and perplexity against the float model on ort-cpu")
         quality = evaluate_quality(source, open_artifact(scratch_dir), greedy_tokens=greedy_tokens)
     manifest["quantization"]["quality"] = quality
+    progress(f"writing {out_dir}")
     write_artifact(out_dir, _serialise(manifest, files, extra), verify=open_artifact)
     return QuantizeResult(open_artifact(out_dir), quality, total)
 
