@@ -53,6 +53,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOOLKIT = [sys.executable, "-c", "import sys; sys.argv[0] = 'toolkit'; from toolkit.cli import main; main()"]
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# The other imported architectures, each run against llama in the same rounds (--families).
+MORE_FAMILIES = ("llama", "gemma2", "gemma3", "olmo2", "granite", "phi3", "smollm3", "gpt_neox")
 REFERENCE = "llama"
 # SmolLM2-360M's shape, per layer and overall (its config.json), less the layer count.
 SHAPE = {
@@ -80,6 +82,13 @@ FEATURES = {
     "mistral": f"sliding window {SLIDING_WINDOW}",
     "qwen2": "q/k/v biases",
     "qwen3": "q/k RMSNorm",
+    "gemma2": "GeGLU, sandwich norms, soft caps, alternating windows (traced whole)",
+    "gemma3": "Gemma 2's less soft caps, q/k norms, local RoPE base (traced whole)",
+    "olmo2": "norms after each branch, full-width q/k norms",
+    "granite": "embedding/attention/residual/logits multipliers",
+    "phi3": "fused qkv/gate_up split at import, sliding window",
+    "smollm3": "no RoPE on every 4th layer (traced whole)",
+    "gpt_neox": "LayerNorm, GELU MLP with biases, parallel residual, partial rotary",
 }
 QUIET_SHARE = 0.15  # the CPUs count as idle below this busy share over a 2 s sample
 CONTENDED_SHARE = 0.15  # a measurement during which other processes used more than this is repeated
@@ -100,6 +109,25 @@ def hf_config(family: str, layers: int):
         return transformers.Qwen2Config(**shape, rope_theta=100000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**shape, head_dim=64, rope_theta=100000.0)
+    window = dict(sliding_window=SLIDING_WINDOW)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**shape, head_dim=64, rope_theta=100000.0, query_pre_attn_scalar=64, **window)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(**shape, head_dim=64, query_pre_attn_scalar=64, **window)
+    if family == "olmo2":
+        return transformers.Olmo2Config(**shape, rope_theta=100000.0)
+    if family == "granite":
+        multipliers = dict(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22)
+        return transformers.GraniteConfig(**shape, rope_theta=100000.0, logits_scaling=8.0, **multipliers)
+    if family == "phi3":
+        return transformers.Phi3Config(**shape, rope_theta=100000.0, **window)
+    if family == "smollm3":
+        return transformers.SmolLM3Config(
+            **shape, rope_theta=100000.0, pad_token_id=None, bos_token_id=None, eos_token_id=None
+        )
+    if family == "gpt_neox":
+        neox = {k: v for k, v in shape.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
+        return transformers.GPTNeoXConfig(**neox, rotary_pct=0.25, rope_theta=10000.0, use_parallel_residual=True)
     raise ValueError(family)
 
 
@@ -177,6 +205,7 @@ def spread(values: list[float]) -> dict:
 
 
 def main() -> int:
+    global FAMILIES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32, help="every family gets the same count (default 32)")
     parser.add_argument("--rounds", type=int, default=5, help="bench rounds (default 5)")
@@ -190,6 +219,11 @@ def main() -> int:
         "--budget", type=float, default=600.0, help="seconds of waiting and repeated measurements per run (default 600)"
     )
     parser.add_argument("--no-verify", action="store_true", help="pass --no-verify to toolkit export")
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"comma-separated, llama first (default {','.join(FAMILIES)}; the others: {','.join(MORE_FAMILIES)})",
+    )
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench-families")
     parser.add_argument("--keep", action="store_true", help="leave the checkpoints and artifacts in --work")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "2026-12-01-families.json")
@@ -201,6 +235,9 @@ def main() -> int:
         help="recompute the derived numbers of a results file, measure nothing",
     )
     args = parser.parse_args()
+    FAMILIES = tuple(args.families.split(","))
+    if FAMILIES[0] != REFERENCE or not set(FAMILIES) <= set(FEATURES):
+        raise SystemExit(f"--families: {REFERENCE} first, then any of {', '.join(sorted(FEATURES))}")
     if args.resummarise:
         resummarise(args.resummarise)
         return 0
@@ -275,6 +312,13 @@ def main() -> int:
     for flag, value, default in (("--layers", args.layers, 32), ("--rounds", args.rounds, 5)):
         command += "" if value == default else f" {flag} {value}"
     command += "" if args.export_rounds == 3 else f" --export-rounds {args.export_rounds}"
+    command += (
+        ""
+        if args.families == ",".join(("llama", "llama3", "mistral", "qwen2", "qwen3"))
+        else (f" --families {args.families}")
+    )
+    command += " --no-verify" if args.no_verify else ""
+    command += f" --json {args.json.relative_to(ROOT) if args.json.is_relative_to(ROOT) else args.json}"
     result = {
         "what": "toolkit export --from + toolkit bench (ort-cpu, batch 1, float32, default lowering) per decoder "
         "family, random weights at SmolLM2-360M's shape; per-round ratios to llama in the same round, "
@@ -401,8 +445,10 @@ def summarise(rounds: list[dict], layers: int, export_rounds: int) -> dict:
 
 def resummarise(path: Path) -> None:
     """Recompute every derived number of a results file from its raw per-round numbers, in place."""
+    global FAMILIES
     result = json.loads(path.read_text())
     settings = result["settings"]
+    FAMILIES = tuple(result["rounds"][0]["order"])  # the first round runs them in the order given
     rounds = [derive(record) for record in result["rounds"]]
     for record in rounds:
         print_round(record)
