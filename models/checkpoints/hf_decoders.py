@@ -81,9 +81,10 @@ TYPE_KEYS = {
         "rotary_emb_base",
     },
 }
+# Gemma 3 keeps Gemma 2's final soft cap as an option (null by default) that transformers applies when set; its
+# attention cap transformers' Gemma 3 does not apply, so a value there is refused (null only).
 TYPE_KEYS["gemma3_text"] = (TYPE_KEYS["gemma2"] | {"_sliding_window_pattern", "sliding_window_pattern"}) - {
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
+    "attn_logit_softcapping"
 }
 # Inert per type: dropout (the identity at inference), keys that only derive others already read.
 TYPE_INERT = {

@@ -229,6 +229,23 @@ def test_prefill_and_cached_decode_match_transformers(case):
         close(out["logits"].numpy()[:, 0], want[:, t])
 
 
+@torch.no_grad()
+def test_gemma3_final_soft_cap_when_set_matches_transformers(tokenizer, tmp_path):
+    """Gemma 3's configs carry Gemma 2's soft caps, null by default. Set, transformers applies the final one (the
+    attention one it ignores, and the import refuses it by name)."""
+    hf = build("gemma3", tokenizer, tmp_path / "hf", final_logit_softcapping=30.0)
+    ours = import_checkpoint(tmp_path / "hf").model.eval()
+    assert (ours.config.attention_softcap, ours.config.final_softcap) == (None, 30.0)
+    ids = torch.from_numpy(ids_for(ours.config.vocab_size, seed=7))
+    want = hf(ids).logits.numpy()
+    assert np.abs(want).max() <= 30.0  # the final cap bounds them (uncapped, this model's logits reach about 80)
+    close(ours(ids)["logits"].numpy(), want)
+    build("gemma3", tokenizer, tmp_path / "capped", attn_logit_softcapping=2.0)
+    with pytest.raises(ModelFileError, match="attn_logit_softcapping") as info:
+        import_checkpoint(tmp_path / "capped")
+    assert "\n" not in str(info.value)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
