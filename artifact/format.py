@@ -148,6 +148,8 @@ class Manifest:
     extra_files: Mapping[str, str] = field(default_factory=dict)
     versions: Mapping | None = None
     custom_domains: Mapping = field(default_factory=dict)
+    # {lowering: None where the model admits it, else why not}, recorded at export (exporters.lowerings).
+    lowerings: Mapping[str, str | None] | None = None
     data: Mapping = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -268,6 +270,12 @@ def parse_manifest(manifest, where, needs_hash: bool = True) -> Manifest:
             "preset": str,
         },
     )
+    lowerings = manifest.get("lowerings")
+    if lowerings is not None and not (
+        isinstance(lowerings, dict)
+        and all(isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in lowerings.items())
+    ):
+        raise ModelFileError(f"{where}: manifest 'lowerings' must map lowering names to null or a reason string")
     if manifest.get("dtype") is not None and manifest["dtype"] not in SPEC_DTYPES:
         raise ModelFileError(
             f"{where}: manifest 'dtype' {manifest['dtype']!r:.40} is not one of {', '.join(SPEC_DTYPES)}"
@@ -286,6 +294,7 @@ def parse_manifest(manifest, where, needs_hash: bool = True) -> Manifest:
         extra_files=MappingProxyType(extra),
         versions=manifest.get("versions"),
         custom_domains=manifest.get("custom_domains") or {},
+        lowerings=lowerings,
         data=manifest,
     )
 

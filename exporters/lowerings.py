@@ -10,18 +10,19 @@ and RoPE as primitive ops); a lowering rewrites that ModelProto:
 - "ort": ONNX Runtime's fused com.microsoft kernels (plus opset 23):
   SkipSimplifiedLayerNormalization (the residual add fused into the next norm),
   one fused QKV projection, GroupQueryAttention, and one fused gate/up
-  projection. With a head width that is a multiple of 16 the packed QKV goes
-  straight into GroupQueryAttention, which applies the rotary embedding itself
-  (no Split or RotaryEmbedding nodes); at a multiple of 8 the projection is
+  projection. With a head width that is a multiple of 16 (a rotated width too,
+  and no q/k norm) the packed QKV goes straight into GroupQueryAttention, which
+  applies the rotary embedding itself (no Split or RotaryEmbedding nodes); at a
+  multiple of 8 the projection is
   split and rotated by com.microsoft RotaryEmbedding; below that the ort
   lowering uses the opset-23 Attention kernel. The manifest records the choice
   per graph ("attention_op", "rotary_op").
 
-Each attention module is replaced as a whole: its boundary values (the q/k/v
-projections' input, the o_proj output, the attention_weights stage, the
-present.{i} caches) are found through the torch weight map and the stage names,
-the new nodes recompute it from the model config with the same weights, and the
-old nodes become dead and are removed. The KV-cache contract is unchanged:
+Attention is rebuilt from the config, layer by layer (exporters/lowering_attention.py says how each switch of
+the llama family maps onto the kernels). Everything else the llama family's switches change is traced as
+standard ops and passes through: LayerNorm, GeGLU and the plain MLP's GELU, the multipliers and soft caps;
+RMSNorm nodes become RMSNormalization in any placement, and in "ort" a SkipSimplifiedLayerNormalization where
+the norm reads a residual sum. The KV-cache contract is unchanged:
 past.{i}.key/value [B, kv_heads, T_past, head_width] in, present = concat(past, new)
 out, position_ids and past_mask as before. GroupQueryAttention graphs also accept
 a past buffer longer than past_mask (rows after the history are ignored) and then
@@ -29,31 +30,52 @@ return present at that length with the new keys written after the history, in
 place when the caller binds present to the same buffer (manifest "kv_cache":
 "shared-buffer"; runners/ort.BoundKVCache does so on ONNX Runtime).
 
-What a lowering cannot express is refused with an ExportError naming the feature
-and the lowering that handles it (always "functions").
+What a lowering cannot express is refused with an ExportError naming the feature and the lowering that
+handles it (always "functions"); lowering_support says it for every lowering at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from artifact.errors import ExportError
-from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, SHARED_KV_CACHE, Manifest
-from exporters.replicate import SCOPES_KEY, topological  # SCOPES_KEY: torch.onnx's per-node module path metadata
-from models.rope import rope_attention_factor, rope_inverse_frequencies
+from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, Manifest
+from exporters.lowering_attention import MS_DOMAIN, MS_DOMAIN_VERSION, AttentionLowering, attention_plan
+from exporters.replicate import topological
 
 LOWERINGS = ("functions", "standard", "ort")
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
-MS_DOMAIN = "com.microsoft"
-MS_DOMAIN_VERSION = 1
-GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's CPU GroupQueryAttention rejects other head widths
-GQA_ROTARY_HEAD_MULTIPLE = 16  # ... and with do_rotary it wants a multiple of 16
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.
 REFERENCE_BACKEND = "onnx-reference"
 GPU_ORT_BACKENDS = ("ort-cuda", "ort-trt")  # TensorRT hands GroupQueryAttention to the CUDA provider
 GQA_CUDA_DTYPES = ("float16", "bfloat16")  # onnxruntime's CUDA kernel registrations for GroupQueryAttention
+# The fields of the block and llama families' configs that the rewrite rebuilds (attention from the config in
+# exporters/lowering_attention.py, norms and the SwiGLU node here) or that change only traced standard ops.
+# A field added to the family later is refused by name, when set, until the rewrite knows it.
+REBUILT_FIELDS = frozenset(
+    {
+        # the shape and the 2023 block
+        "width", "heads", "kv_heads", "head_dim", "ff_width", "max_positions", "eps", "vocab_size", "layers",
+        "tie_embeddings", "probe_width",
+        # RoPE: per-layer cos/sin caches, partial rotation, layers without it
+        "rope_base", "rope_pairing", "rope_scaling", "rotary_dim", "local_rope_base", "no_rope_layers",
+        # attention
+        "attention_bias", "qk_norm", "sliding_window", "layer_types", "attention_scale", "attention_softcap",
+        # outside attention: traced standard ops, RMSNorm nodes in any placement
+        "norm_placement", "norm", "ffn_gated", "ffn_activation", "residual_scale", "embedding_scale",
+        "logits_scale", "final_softcap",
+    }
+)  # fmt: skip
+FAMILY_REFUSALS = {
+    "gpt": "the gpt family's LayerNorm, GELU MLP with biases and learned positions (the rewrite rebuilds "
+    "attention from the llama family's config, which the gpt family's does not share)",
+    "encoder-decoder": "the encoder-decoder family's cross-attention and bidirectional encoder attention "
+    "(and its LayerNorm/ReLU/biases switches)",
+}
 
 
 def check_lowering(name: str) -> str:
@@ -82,55 +104,43 @@ def unsupported_backends(manifest: Manifest) -> dict[str, str]:
     return out
 
 
+def lowering_support(family: str, config) -> dict[str, str | None]:
+    """{lowering: None where it can express a `family` model of `config`, else the one-line reason}."""
+    return {lowering: _refusal(family, config, lowering) for lowering in LOWERINGS}
+
+
 def check_supported(family: str, config, lowering: str) -> None:
     """Refuse, before the slow trace, a model the lowering cannot express."""
     check_lowering(lowering)
+    reason = _refusal(family, config, lowering)
+    if reason is not None:
+        raise ExportError(reason)
+
+
+def _refusal(family: str, config, lowering: str) -> str | None:
     if lowering == DEFAULT_LOWERING:
-        return
-    refusals = {
-        "gpt": "the gpt family's LayerNorm, GELU MLP with biases and learned positions",
-        "encoder-decoder": "the encoder-decoder family's cross-attention and bidirectional encoder attention "
-        "(and its LayerNorm/ReLU/biases switches)",
-    }
-    if family in refusals:
-        raise ExportError(
-            f"lowering {lowering!r} cannot express {refusals[family]}; export it with --lowering {DEFAULT_LOWERING}"
+        return None
+    if family in FAMILY_REFUSALS:
+        return (
+            f"lowering {lowering!r} cannot express {FAMILY_REFUSALS[family]}; "
+            f"export it with --lowering {DEFAULT_LOWERING}"
         )
     if family not in ("block", "llama"):
-        raise ExportError(
+        return (
             f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
             f"export it with --lowering {DEFAULT_LOWERING}"
         )
-
-    # Switches of the llama family whose attention the rewrite below does not rebuild (RoPE scaling and an
-    # explicit head_dim it does: they change only the cos/sin caches and the projection widths).
-    def on(key, off=None):
-        return getattr(config, key, off) != off
-
-    switches = {
-        "attention_bias": ("biases on the attention projections", on("attention_bias", "none")),
-        "qk_norm": ("RMSNorm of queries and keys", on("qk_norm", "none")),
-        "sliding_window": ("sliding-window attention", on("sliding_window")),
-        "norm_placement": (
-            "norms after the branches or a parallel residual",
-            getattr(config, "norm_placement", "pre") in ("sandwich", "branch_post", "parallel"),
-        ),
-        "norm": ("LayerNorm", on("norm", "rmsnorm")),
-        "ffn_gated": ("a plain MLP", not getattr(config, "ffn_gated", True)),
-        "rotary_dim": ("partial rotary embeddings", on("rotary_dim")),
-        "attention_scale": ("a scores scale other than 1/sqrt(head width)", on("attention_scale")),
-        "attention_softcap": ("soft-capped attention scores", on("attention_softcap")),
-        "residual_scale": ("scaled residual branches", on("residual_scale")),
-        "ffn_activation": ("a feed-forward other than SwiGLU", on("ffn_activation", "silu")),
-        "layer_types": ("layers that differ from each other", not getattr(config, "uniform_layers", True)),
-        "no_rope_layers": ("layers without RoPE", on("no_rope_layers")),
-    }
-    for key, (what, on) in switches.items():
-        if on:
-            raise ExportError(
-                f"lowering {lowering!r} does not rebuild {what} ({key}={getattr(config, key)!r}); "
-                f"export it with --lowering {DEFAULT_LOWERING}"
+    for field in dataclasses.fields(config):
+        if not field.init or field.name in REBUILT_FIELDS:
+            continue
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        value = getattr(config, field.name)
+        if value != default:
+            return (
+                f"lowering {lowering!r} does not rebuild the switch {field.name}={value!r} (the rewrite does not "
+                f"know it); export it with --lowering {DEFAULT_LOWERING}"
             )
+    return None
 
 
 def lower(
@@ -156,7 +166,7 @@ def _attr(node, name, default=None):
     return default
 
 
-class _Rewriter:
+class _Rewriter(AttentionLowering):
     def __init__(self, proto, lowering, config, weights):
         self.lowering = lowering
         self.config = config
@@ -175,20 +185,10 @@ class _Rewriter:
         self.fused: dict = {}
         self.counter = 0
         self.shared: dict = {}
-        head = config.head_width
-        self.use_gqa = lowering == "ort" and head % GQA_HEAD_MULTIPLE == 0
-        # Rotary inside GroupQueryAttention reads packed QKV: no Split or RotaryEmbedding node per layer.
-        self.packed_gqa = self.use_gqa and head % GQA_ROTARY_HEAD_MULTIPLE == 0
-        self.notes = {
-            "attention_op": ("com.microsoft::GroupQueryAttention" if self.use_gqa else "Attention (opset 23)"),
-            "rotary_op": (
-                "inside GroupQueryAttention (do_rotary)"
-                if self.packed_gqa
-                else "com.microsoft::RotaryEmbedding"
-                if lowering == "ort"
-                else "RotaryEmbedding (opset 23)"
-            ),
-        }
+        self.shapes: dict | None = None  # the traced values' dims, read once a norm asks (_shape)
+        plan = attention_plan(lowering, config)
+        self.use_gqa, self.packed_gqa = plan["gqa"], plan["packed"]
+        self.notes = {"attention_op": plan["attention_op"], "rotary_op": plan["rotary_op"]}
 
     # ---- small builders ---------------------------------------------------------------------------------
     def name(self, hint: str) -> str:
@@ -202,7 +202,7 @@ class _Rewriter:
 
     def const(self, array: np.ndarray, hint: str) -> str:
         name = self.name(hint)
-        self.new_inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        self.new_inits.append(numpy_helper.from_array(np.asarray(array, order="C"), name))  # a 0-d array stays 0-d
         return name
 
     def ints(self, values, hint="ints") -> str:
@@ -213,15 +213,23 @@ class _Rewriter:
             raise ExportError(f"lowering {self.lowering!r}: expected {name!r} to be an initializer in the traced graph")
         return numpy_helper.to_array(self.inits[name])
 
-    def weight_in_out(self, torch_name: str) -> tuple[str, np.ndarray]:
-        """(initializer name, the weight as [in_features, out_features]) of a torch Linear weight."""
+    def weights_entry(self, torch_name: str) -> dict:
         entry = self.weights.get(torch_name)
         if entry is None:
             raise ExportError(
                 f"lowering {self.lowering!r}: no initializer for weight {torch_name!r} in the traced graph"
             )
+        return entry
+
+    def weight_in_out(self, torch_name: str) -> tuple[str, np.ndarray]:
+        """(initializer name, the weight as [in_features, out_features]) of a torch Linear weight."""
+        entry = self.weights_entry(torch_name)
         array = self.array(entry["initializer"])
         return entry["initializer"], (array if entry["transpose"] else array.T)
+
+    def record_fused(self, torch_name: str, fused: str, axis: int, start: int, stop: int, transpose: bool) -> None:
+        """The torch tensor is `fused`[start:stop] along `axis`, transposed back when `transpose`."""
+        self.fused[torch_name] = {"initializer": fused, "transpose": transpose, "slice": [axis, start, stop]}
 
     # ---- driver -----------------------------------------------------------------------------------------
     def run(self):
@@ -237,8 +245,12 @@ class _Rewriter:
         layers = getattr(self.config, "layers", 1)
         for i in range(layers):
             self.lower_attention(i)
+        gated = getattr(self.config, "ffn_gated", True)
         for i in range(layers):
-            self.lower_swiglu(i)
+            if gated and getattr(self.config, "ffn_activation", "silu") == "silu":
+                self.lower_swiglu(i)
+            elif gated and self.lowering == "ort":
+                self.fuse_gate_up(i)  # GeGLU: traced as standard ops around the two projections
         for n in list(graph.node):
             if n.domain == CUSTOM_DOMAIN and n.op_type == "RMSNorm":
                 self.lower_norm(n)
@@ -298,14 +310,7 @@ class _Rewriter:
         x, weight = n.input[0], n.input[1]
         self.removed.add(id(n))
         add = self.producer.get(x)
-        residual = (
-            self.lowering == "ort"
-            and add is not None
-            and add.op_type == "Add"
-            and add.domain == ""
-            and all(self._is_activation(v) for v in add.input)
-        )
-        if residual:
+        if self.lowering == "ort" and self._is_residual_sum(add):
             # norm(a + b) and the sum itself (the residual stream) in one kernel.
             self.removed.add(id(add))
             outputs = [n.output[0], "", "", x]
@@ -318,8 +323,33 @@ class _Rewriter:
             )
             self.producer[x] = self.new_nodes[-1]
             return
-        # y = x / sqrt(mean(x^2, -1) + eps) * weight, statistics in float32 (stash_type 1)
-        self.node("RMSNormalization", [x, weight], [n.output[0]], axis=-1, epsilon=eps, stash_type=1)
+        self._rms_norm(x, weight, eps, [n.output[0]])
+
+    def _is_residual_sum(self, add) -> bool:
+        """An Add of two computed tensors of one shape: SkipSimplifiedLayerNormalization adds `skip` to `input`
+        elementwise, so a broadcasting Add (or one with a weight or constant) must stay apart."""
+        if add is None or add.op_type != "Add" or add.domain != "" or id(add) in self.removed:
+            return False
+        if not all(self._is_activation(v) for v in add.input):
+            return False
+        shapes = [self._shape(v) for v in add.input]
+        if None in shapes or len(shapes[0]) != len(shapes[1]):
+            return False
+        for a, b in zip(*shapes, strict=True):
+            # Equal sizes, or two symbolic sizes (batch, sequence); a literal size against another is a broadcast.
+            if (isinstance(a, int) or isinstance(b, int)) and a != b:
+                return False
+        return True
+
+    def _shape(self, value: str):
+        """The value's dims (ints, None for symbolic ones) from the traced graph's types, or None if unknown."""
+        if self.shapes is None:
+            self.shapes = {}
+            for info in [*self.graph.value_info, *self.graph.input, *self.graph.output]:
+                if info.type.tensor_type.HasField("shape"):
+                    dims = info.type.tensor_type.shape.dim
+                    self.shapes[info.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+        return self.shapes.get(value)
 
     def _is_activation(self, value: str) -> bool:
         """A computed tensor (not a weight or constant), so an Add of two is a residual add."""
@@ -350,14 +380,7 @@ class _Rewriter:
         self.removed.add(id(n))
         down_t = self.const(down.T, "down_proj_t")
         if self.lowering == "ort":
-            # One MatMul for gate and up: x @ [gate^T | up^T], then split the halves.
-            fused = self.const(np.concatenate([gate.T, up.T], axis=1), "gate_up_proj")
-            self._record_fused(names[0], fused, 1, 0, gate.shape[0])
-            self._record_fused(names[1], fused, 1, gate.shape[0], gate.shape[0] + up.shape[0])
-            both = self.node("MatMul", [x, fused])
-            g, u = self.node(
-                "Split", [both, self.ints([gate.shape[0], up.shape[0]])], [self.name("gate"), self.name("up")], axis=-1
-            )
+            g, u = self._gate_up(x, names, gate, up)
         else:
             g = self.node("MatMul", [x, self.const(gate.T, "gate_proj_t")])
             u = self.node("MatMul", [x, self.const(up.T, "up_proj_t")])
@@ -365,261 +388,31 @@ class _Rewriter:
         hidden = self.node("Mul", [self.node("Mul", [g, self.node("Sigmoid", [g])]), u])
         self.node("MatMul", [hidden, down_t], [n.output[0]])
 
-    def _record_fused(self, torch_name: str, fused: str, axis: int, start: int, stop: int) -> None:
-        # The fused tensor holds W^T ([in, out]): slice its columns, transpose back to torch's layout.
-        self.fused[torch_name] = {"initializer": fused, "transpose": True, "slice": [axis, start, stop]}
-
-    # ---- attention --------------------------------------------------------------------------------------
-    def lower_attention(self, i: int) -> None:
-        c = self.config
-        prefix = f"block.{i}.attention"
-        heads, kv_heads, head = c.heads, c.kv_heads, c.head_width
-        q_init, wq = self.weight_in_out(f"{prefix}.q_proj.weight")
-        k_init, wk = self.weight_in_out(f"{prefix}.k_proj.weight")
-        v_init, wv = self.weight_in_out(f"{prefix}.v_proj.weight")
-        o_init, wo = self.weight_in_out(f"{prefix}.o_proj.weight")
-        x = self._matmul(q_init, prefix, "q_proj").input[0]
-        for init, proj in ((k_init, "k_proj"), (v_init, "v_proj")):
-            # Self-attention: K and V project the same input (the trace may share one MatMul for equal weights).
-            if not any(n.op_type == "MatMul" and list(n.input) == [x, init] for n in self.consumers.get(init, [])):
-                raise ExportError(
-                    f"lowering {self.lowering!r}: {prefix}.{proj} does not read the same input as "
-                    "q_proj (cross-attention); export with --lowering functions"
-                )
-        branch = self._matmul(o_init, prefix, "o_proj").output[0]
-        past = [f"past.{i}.key", f"past.{i}.value"]
-        present = [f"present.{i}.key", f"present.{i}.value"]
-        has_cache = all(p in self.graph_inputs for p in past)
-        probs_name = f"block.{i}.attention_weights"
-        want_probs = probs_name in self.graph_outputs
-
-        if self.lowering == "ort":
-            qkv_init = self.const(np.concatenate([wq, wk, wv], axis=1), "qkv_proj")
-            widths = [heads * head, kv_heads * head, kv_heads * head]
-            bounds = np.cumsum([0, *widths])
-            for k, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-                self._record_fused(f"{prefix}.{proj}.weight", qkv_init, 1, int(bounds[k]), int(bounds[k + 1]))
-            qkv = self.node("MatMul", [x, qkv_init])
-            if not self.packed_gqa:  # RotaryEmbedding and opset-23 Attention take q, k and v apart
-                q, k, v = self.node(
-                    "Split", [qkv, self.ints(widths)], [self.name("q"), self.name("k"), self.name("v")], axis=-1
-                )
-        else:
-            q = self.node(
-                "MatMul",
-                [x, q_init if self.weights[f"{prefix}.q_proj.weight"]["transpose"] else self.const(wq, "q_proj_t")],
-            )
-            k = self.node(
-                "MatMul",
-                [x, k_init if self.weights[f"{prefix}.k_proj.weight"]["transpose"] else self.const(wk, "k_proj_t")],
-            )
-            v = self.node(
-                "MatMul",
-                [x, v_init if self.weights[f"{prefix}.v_proj.weight"]["transpose"] else self.const(wv, "v_proj_t")],
-            )
-        positions = self._positions(x)
-        cos, sin = self._rope_caches()
-        interleaved = int(c.rope_pairing == "interleaved")
-        if self.packed_gqa:
-            pass  # GroupQueryAttention rotates q and k itself (do_rotary), from the packed projection
-        elif self.lowering == "ort":
-            q = self.node(
-                "RotaryEmbedding",
-                [q, positions, cos, sin],
-                domain=MS_DOMAIN,
-                interleaved=interleaved,
-                num_heads=heads,
-                rotary_embedding_dim=head,
-            )
-            k = self.node(
-                "RotaryEmbedding",
-                [k, positions, cos, sin],
-                domain=MS_DOMAIN,
-                interleaved=interleaved,
-                num_heads=kv_heads,
-                rotary_embedding_dim=head,
-            )
-        else:
-            q = self.node("RotaryEmbedding", [q, cos, sin, positions], interleaved=interleaved, num_heads=heads)
-            k = self.node("RotaryEmbedding", [k, cos, sin, positions], interleaved=interleaved, num_heads=kv_heads)
-
-        outs = [
-            self.name("attn"),
-            self.name("present_key") if has_cache else "",
-            self.name("present_value") if has_cache else "",
-            self.name("probs") if want_probs else "",
-        ]
-        if self.use_gqa:
-            if has_cache:
-                # The kernel reads only the first seqlens_k rows of a longer past buffer and writes the new
-                # keys after them, in place when present is bound to the same buffer (runners/ort.BoundKVCache).
-                self.notes["kv_cache"] = SHARED_KV_CACHE
-            seqlens, total = self._gqa_lengths(x, has_cache)
-            bias = self._key_padding_bias(x) if "past_mask" in self.graph_inputs else ""
-            cache = [past[0], past[1]] if has_cache else ["", ""]
-            if self.packed_gqa:
-                # Packed QKV, rotated by the kernel: no Split or RotaryEmbedding nodes per layer.
-                inputs = [qkv, "", "", *cache, seqlens, total, cos, sin, positions, bias]
-            else:
-                inputs = [q, k, v, *cache, seqlens, total, "", "", "", bias]
-            if has_cache:
-                # query_seqlens (every row's T new tokens): the kernel then takes chunks of T > 1 after a
-                # non-empty cache at any batch size, which without it it refuses for batch > 1.
-                inputs += ["", "", "", "", "", self._query_lengths(x)]
-            attrs = {"num_heads": heads, "kv_num_heads": kv_heads}
-            if self.packed_gqa:
-                attrs.update(do_rotary=1, rotary_interleaved=interleaved)
-            if want_probs:
-                attrs["qk_output"] = 2  # the probabilities, after softmax
-            self.node("GroupQueryAttention", _trim(inputs), _trim(outs), domain=MS_DOMAIN, **attrs)
-        else:
-            attrs = {"q_num_heads": heads, "kv_num_heads": kv_heads}
-            if want_probs:
-                attrs["qk_matmul_output_mode"] = 3  # the probabilities, after softmax
-            if has_cache:
-                inputs = [q, k, v, self._attention_mask(x), past[0], past[1]]
-            else:
-                inputs = [q, k, v]
-                attrs["is_causal"] = 1  # no cache: queries and keys are the same positions
-            self.node("Attention", inputs, _trim(outs), **attrs)
-        attn = outs[0]
-        o_weight = o_init if self.weights[f"{prefix}.o_proj.weight"]["transpose"] else self.const(wo, "o_proj_t")
-        new_branch = self.node("MatMul", [attn, o_weight])
-        self.replace_output(branch, new_branch)
-        if want_probs:
-            self.replace_output(probs_name, outs[3])
-        if has_cache:
-            self.replace_output(present[0], outs[1])
-            self.replace_output(present[1], outs[2])
-
-    def _matmul(self, init: str, prefix: str, proj: str):
-        """The MatMul applying {prefix}.{proj}: the only one reading its weight, or, when equal weights
-        share one initializer (the worked example's identities), the one torch.onnx scoped to that module."""
-        users = [n for n in self.consumers.get(init, []) if n.op_type == "MatMul" and n.input[1] == init]
-        if len(users) > 1:
-            users = [
-                n
-                for n in users
-                if any(p.key == SCOPES_KEY and f"{prefix}.{proj}'" in p.value for p in n.metadata_props)
-            ]
-        if len(users) != 1:
+    def fuse_gate_up(self, i: int) -> None:
+        """GeGLU (traced as standard ops): its gate and up MatMuls become one, split in two."""
+        prefix = f"block.{i}.feed_forward"
+        names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
+        (gate_init, gate), (up_init, up) = (self.weight_in_out(name) for name in names)  # [in, out] each
+        gate_mm, up_mm = self._matmul(gate_init, prefix, "gate_proj"), self._matmul(up_init, prefix, "up_proj")
+        x = gate_mm.input[0]
+        if up_mm.input[0] != x:
             raise ExportError(
-                f"lowering {self.lowering!r}: expected one MatMul applying {prefix}.{proj} in the "
-                f"traced graph, found {len(users)}; export with --lowering {DEFAULT_LOWERING}"
+                f"lowering {self.lowering!r}: {prefix}.up_proj does not read gate_proj's input in the traced graph; "
+                f"export with --lowering {DEFAULT_LOWERING}"
             )
-        return users[0]
+        g, u = self._gate_up(x, names, gate.T, up.T)
+        self.replace_output(gate_mm.output[0], g)
+        self.replace_output(up_mm.output[0], u)
 
-    # Values shared by every layer, built once from the first layer's input.
-    def _shape_scalars(self, x: str):
-        if "dims" not in self.shared:
-            shape = self.node("Shape", [x])
-            batch = self.node("Slice", [shape, self.ints([0]), self.ints([1])], hint="batch")  # (1,)
-            seq = self.node("Slice", [shape, self.ints([1]), self.ints([2])], hint="seq")  # (1,)
-            if "past_mask" in self.graph_inputs:
-                past = self.node(
-                    "Slice", [self.node("Shape", ["past_mask"]), self.ints([1]), self.ints([2])], hint="past"
-                )
-            else:
-                past = self.ints([0])
-            self.shared["dims"] = (batch, seq, past, self.node("Add", [past, seq], hint="total"))
-        return self.shared["dims"]
-
-    def _positions(self, x: str) -> str:
-        if "positions" not in self.shared:
-            if "position_ids" in self.graph_inputs:
-                self.shared["positions"] = "position_ids"
-            else:  # the stages graph: every row at positions 0..T-1
-                batch, seq, _, _ = self._shape_scalars(x)
-                zero, one = self.const(np.array(0, np.int64), "zero"), self.const(np.array(1, np.int64), "one")
-                steps = self.node("Range", [zero, self.node("Squeeze", [seq]), one])
-                shape = self.node("Concat", [batch, seq], axis=0)
-                self.shared["positions"] = self.node("Expand", [self.node("Unsqueeze", [steps, self.ints([0])]), shape])
-        return self.shared["positions"]
-
-    def _rope_caches(self):
-        if "rope" not in self.shared:
-            c = self.config
-            # angle[p, i] = p * inv_freq[i] (models/rope.py: the scaling type's frequencies), in float64 like the
-            # oracle, stored as float32; YaRN's attention factor multiplies cos and sin.
-            scaling = getattr(c, "rope_scaling", None)
-            inv_freq = rope_inverse_frequencies(c.head_width, c.rope_base, scaling).numpy()
-            angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-            factor = rope_attention_factor(scaling)
-            self.shared["rope"] = (
-                self.const((np.cos(angles) * factor).astype(np.float32), "cos_cache"),
-                self.const((np.sin(angles) * factor).astype(np.float32), "sin_cache"),
-            )
-        return self.shared["rope"]
-
-    def _key_ok(self, x: str) -> str:
-        """(B, T_past + T) bool: which keys hold real tokens (past_mask, then the new tokens)."""
-        if "key_ok" not in self.shared:
-            batch, seq, _, _ = self._shape_scalars(x)
-            new = self.node("Expand", [self.const(np.array(True), "true"), self.node("Concat", [batch, seq], axis=0)])
-            past = self.node("Cast", ["past_mask"], to=TensorProto.BOOL)
-            self.shared["key_ok"] = self.node("Concat", [past, new], axis=1)
-        return self.shared["key_ok"]
-
-    def _attention_mask(self, x: str) -> str:
-        """(B, 1, T, T_past + T) bool, True where a query may attend: causal and not a padding slot."""
-        if "mask" not in self.shared:
-            _, seq, past, total = self._shape_scalars(x)
-            zero, one = self.const(np.array(0, np.int64), "zero"), self.const(np.array(1, np.int64), "one")
-            key_pos = self.node("Range", [zero, self.node("Squeeze", [total]), one])  # (T_total,)
-            query_pos = self.node("Add", [self.node("Range", [zero, self.node("Squeeze", [seq]), one]), past])  # (T,)
-            causal = self.node(
-                "LessOrEqual",
-                [
-                    self.node("Unsqueeze", [key_pos, self.ints([0])]),
-                    self.node("Unsqueeze", [query_pos, self.ints([1])]),
-                ],
-            )  # (T, T_total)
-            keys = self.node("Unsqueeze", [self._key_ok(x), self.ints([1, 2])])  # (B, 1, 1, T_total)
-            self.shared["mask"] = self.node("And", [keys, causal])
-        return self.shared["mask"]
-
-    def _key_padding_bias(self, x: str) -> str:
-        """(B, 1, T, T_past + T) float: 0 for real keys, -inf for padding slots (GQA adds its own causal mask)."""
-        if "bias" not in self.shared:
-            batch, seq, _, total = self._shape_scalars(x)
-            keys = self.node("Unsqueeze", [self._key_ok(x), self.ints([1, 2])])  # (B, 1, 1, T_total)
-            bias = self.node(
-                "Where",
-                [
-                    keys,
-                    self.const(np.array(0, np.float32), "zero_f"),
-                    self.const(np.array(-np.inf, np.float32), "minus_inf"),
-                ],
-            )
-            shape = self.node("Concat", [batch, self.ints([1]), seq, total], axis=0)
-            self.shared["bias"] = self.node("Expand", [bias, shape])
-        return self.shared["bias"]
-
-    def _query_lengths(self, x: str) -> str:
-        """(B,) int32: T, the new tokens of every row."""
-        if "query_lengths" not in self.shared:
-            batch, seq, _, _ = self._shape_scalars(x)
-            self.shared["query_lengths"] = self.node("Expand", [self.node("Cast", [seq], to=TensorProto.INT32), batch])
-        return self.shared["query_lengths"]
-
-    def _gqa_lengths(self, x: str, has_cache: bool):
-        """seqlens_k (B,) int32 = T_past + T - 1 for every row (padding slots count, the bias hides them) and
-        total_sequence_length, a scalar int32 T_past + T."""
-        if "gqa" not in self.shared:
-            batch, _, _, total = self._shape_scalars(x)
-            total32 = self.node("Cast", [total], to=TensorProto.INT32)  # (1,)
-            last = self.node("Sub", [total32, self.const(np.array([1], np.int32), "one_i32")])
-            seqlens = self.node("Expand", [last, batch])
-            self.shared["gqa"] = (seqlens, self.node("Squeeze", [total32]))
-        return self.shared["gqa"]
-
-
-def _trim(names: list[str]) -> list[str]:
-    """Drop trailing empty (omitted optional) names."""
-    names = list(names)
-    while names and names[-1] == "":
-        names.pop()
-    return names
+    def _gate_up(self, x: str, names: list[str], gate: np.ndarray, up: np.ndarray):
+        """One MatMul for gate and up (torch [out, in] weights): x @ [gate^T | up^T], then split the halves."""
+        fused = self.const(np.concatenate([gate.T, up.T], axis=1), "gate_up_proj")
+        self.record_fused(names[0], fused, 1, 0, gate.shape[0], True)
+        self.record_fused(names[1], fused, 1, gate.shape[0], gate.shape[0] + up.shape[0], True)
+        both = self.node("MatMul", [x, fused])
+        return self.node(
+            "Split", [both, self.ints([gate.shape[0], up.shape[0]])], [self.name("gate"), self.name("up")], axis=-1
+        )
 
 
 def _dead_code_elimination(graph) -> None:

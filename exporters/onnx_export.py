@@ -186,6 +186,7 @@ def export_model(
         "opset": OPSET if lowering == lowerings.DEFAULT_LOWERING else lowerings.STANDARD_OPSET,
         "custom_domains": lowerings.custom_domains(lowering),
         "lowering": lowering,
+        "lowerings": lowerings.lowering_support(family, config),
         "dtype": dtype,
         "custom_ops": sorted(used),
         "graphs": entries,
