@@ -166,7 +166,9 @@ def quantized_weight_map(
     mapping = {}
     for name, entry in source_map.items():
         location, transpose = entry["initializer"], bool(entry.get("transpose"))
-        if location in folded:
+        # Followed to its folded transpose only when the original is gone: a tied embedding table stays (the
+        # Gather reads it) while its folded transpose, the head's B, is quantized.
+        if location in folded and location not in initializers:
             location, transpose = folded[location], not transpose
         extra = {k: v for k, v in entry.items() if k not in ("initializer", "transpose")}
         options = []

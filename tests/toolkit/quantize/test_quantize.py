@@ -497,3 +497,22 @@ def test_quality_of_a_different_model_flips_arg_maxes_and_perplexity(source, tmp
     assert_quality_matches(reported, independent)
     assert independent["greedy_agreement"] < 0.9  # measured: 0.0
     assert abs(independent["perplexity_quantized"] / independent["perplexity_float"] - 1) > 0.01
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_tied_head_large_enough_not_to_be_folded_at_export_checks_against_its_reference(tmp_path, bits):
+    """A tied head above torch.onnx's constant-folding size (64 x 4096) reaches quantize as Transpose(embedding):
+    the quantizer folds it into its own initializer and quantizes that, while the Gather keeps the float table.
+    The eager reference must embed with the float table and multiply by the quantized head, as the graph does."""
+    config = {"vocab_size": 4096, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"family": "llama", "seed": 0, "config": {**config, "tie_embeddings": True}}))
+    result = invoke("export", "--config", path, "--variant", "serving", "--out", tmp_path / "float")
+    assert result.exit_code == 0, result.output
+    result = invoke("quantize", tmp_path / "float", "--bits", bits, "--out", tmp_path / "q", "--greedy-tokens", 2)
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    weights = manifest["graphs"][0]["weights"]
+    assert "quantized" not in weights["embed_tokens.weight"] and "quantized" in weights["lm_head.weight"]
+    check = invoke("check", tmp_path / "q", "--backends", "eager,ort-cpu")
+    assert check.exit_code == 0 and "RESULT: PASS" in check.output, check.output
