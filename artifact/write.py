@@ -5,6 +5,7 @@ Also the atomic single-file writers the reports and golden files use.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import errno
@@ -141,7 +142,7 @@ def pack_artifact(
         entry.pop("external_data", None)
         if external_data or (external_data is None and initializer_bytes(proto, pending) > threshold):
             if keep_protos:
-                proto = proto.__class__.FromString(proto.SerializeToString())  # the caller's copy keeps its weights
+                proto = copy.deepcopy(proto)  # the caller's copy keeps its weights (no serialising: 2 GiB cap)
             location = f"{entry['file']}.data"
             files[location], digest = externalize(proto, location, pending)
             entry["external_data"] = {location: digest}

@@ -40,7 +40,20 @@ def prepare_proto(proto):
     folded, so weights are MatMul's constant B."""
     import onnx.inliner
 
-    proto = onnx.inliner.inline_local_functions(proto)
+    from artifact.protobuf import weightless
+
+    # The inliner serialises the model it is given, which protobuf refuses above 2 GiB: it inlines the weightless
+    # graph (weights declared as inputs, which it does not rename), and the weights are put back after.
+    skeleton = weightless(proto)
+    moved = {v.name for v in skeleton.graph.input} - {v.name for v in proto.graph.input}
+    inlined = onnx.inliner.inline_local_functions(skeleton)
+    del skeleton
+    inputs = [v for v in inlined.graph.input if v.name not in moved]
+    del inlined.graph.input[:]
+    inlined.graph.input.extend(inputs)
+    kept = {t.name for t in inlined.graph.initializer}
+    inlined.graph.initializer.extend(t for t in proto.graph.initializer if t.name not in kept)
+    proto = inlined
     del proto.functions[:]
     kept = [o for o in proto.opset_import if o.domain != CUSTOM_DOMAIN]
     del proto.opset_import[:]
@@ -52,6 +65,8 @@ def prepare_proto(proto):
 def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0, algorithm: str = "rtn"):
     """(quantized ModelProto, number of MatMulNBits nodes) of a prepared graph (see prepare_proto)."""
     import onnx
+
+    from artifact.protobuf import weightless
 
     proto = copy.deepcopy(proto)
     try:
@@ -80,7 +95,7 @@ def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0
             if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
                 node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
     count = sum(1 for n in result.graph.node if n.op_type == "MatMulNBits")
-    onnx.checker.check_model(result)
+    onnx.checker.check_model(weightless(result))  # serialised whole, a graph over 2 GiB could not be checked
     return result, count
 
 
