@@ -46,6 +46,7 @@ from artifact.errors import ExportError
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, Manifest
 from exporters.lowering_attention import MS_DOMAIN, MS_DOMAIN_VERSION, AttentionLowering, attention_plan
 from exporters.replicate import topological
+from models.rope import LENGTH_DEPENDENT
 
 LOWERINGS = ("functions", "standard", "ort")
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
@@ -129,6 +130,12 @@ def _refusal(family: str, config, lowering: str) -> str | None:
         return (
             f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
             f"export it with --lowering {DEFAULT_LOWERING}"
+        )
+    kind = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
+    if kind in LENGTH_DEPENDENT:
+        return (
+            f"lowering {lowering!r} precomputes cos/sin caches, and rope_scaling {kind!r} chooses its frequencies per "
+            f"call from the positions; export it with --lowering {DEFAULT_LOWERING}"
         )
     for field in dataclasses.fields(config):
         if not field.init or field.name in REBUILT_FIELDS:

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.ops import apply_rope, attention, rms_norm, swiglu
-from models.rope import rope_attention_factor, rope_inverse_frequencies
+from models.rope import rope_attention_factor, rope_inverse_frequencies, rope_long_inverse_frequencies
 
 NORMS = ("layernorm", "rmsnorm")
 FFNS = ("relu", "gelu", "swiglu")
@@ -88,6 +88,12 @@ class Attention(nn.Module):
             inv_freq = rope_inverse_frequencies(self.rotary_dim, rope_base, rope_scaling)
             self.register_buffer("inv_freq", inv_freq, persistent=False)
             self.rope_factor = rope_attention_factor(rope_scaling)
+            # LongRoPE: the long factors apply to a call whose last position is past the original context.
+            self.long_after = None
+            if (rope_scaling or {}).get("rope_type") == "longrope":
+                long = rope_long_inverse_frequencies(self.rotary_dim, rope_base, rope_scaling)
+                self.register_buffer("inv_freq_long", long, persistent=False)
+                self.long_after = int(rope_scaling["original_max_position_embeddings"])
 
     def forward(self, x, memory=None, position_offset: int = 0, past=None, past_mask=None, position_ids=None):
         """Returns (output, probabilities), plus (keys, values) for the cache when `past` is given.
@@ -138,10 +144,13 @@ class Attention(nn.Module):
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE on the first rotary_dim dims of each head; the rest pass through (partial rotary)."""
+        inv_freq = self.inv_freq
+        if self.long_after is not None:  # transformers' choice per call: max(position_ids) + 1 > original
+            inv_freq = torch.where(positions.max() + 1 > self.long_after, self.inv_freq_long, self.inv_freq)
         if self.rotary_dim == self.head_width:
-            return apply_rope(x, positions, self.inv_freq, self.rope_pairing, self.rope_factor)
+            return apply_rope(x, positions, inv_freq, self.rope_pairing, self.rope_factor)
         rotated, kept = x[..., : self.rotary_dim], x[..., self.rotary_dim :]  # (B, heads, T, rotary / rest)
-        return torch.cat((apply_rope(rotated, positions, self.inv_freq, self.rope_pairing, self.rope_factor), kept), -1)
+        return torch.cat((apply_rope(rotated, positions, inv_freq, self.rope_pairing, self.rope_factor), kept), -1)
 
 
 class SwiGLU(nn.Module):

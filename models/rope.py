@@ -15,10 +15,17 @@ A RoPE scaling is a dict of a config (`rope_scaling`), the Hugging Face `rope_pa
 
     {"rope_type": "factors", "factors": [...]}
         llama.cpp's per-frequency divisors (a GGUF's rope_freqs tensor, how Llama 3.1 files carry llama3 scaling)
+    {"rope_type": "longrope", "short_factor", "long_factor", "original_max_position_embeddings", "factor",
+     attention_factor}
+        Phi-3/3.5 long context: inv_freq divided per frequency by short_factor while the longest position of the
+        call is within the original context, by long_factor past it (chosen per forward call, as transformers
+        does, from max(position) + 1); cos and sin scaled by sqrt(1 + ln(factor) / ln(original)) by default
+    {"rope_type": "dynamic", "factor"}
+        dynamic NTK: transformers rescales the base only for sequences longer than max_position_embeddings,
+        which is the model's context here (longer inputs are refused), so within it the frequencies are default
 
 `d` is the rotated width: the head width, or `partial_rotary_factor` of it. The formulas follow transformers'
-modeling_rope_utils.py. Types whose frequencies depend on the sequence length at run time (dynamic NTK,
-longrope's short/long factors) are refused by the config check, not approximated.
+modeling_rope_utils.py.
 """
 
 from __future__ import annotations
@@ -29,13 +36,19 @@ import torch
 
 from models import validation as v
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "factors")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "factors", "longrope", "dynamic")
+# Types whose frequencies depend on the call's positions: the lowerings' precomputed cos/sin caches cannot hold them.
+LENGTH_DEPENDENT = ("longrope",)
 # Keys each type reads; "rope_type" names it. Anything else in the dict is refused by validate_rope_scaling.
 ROPE_KEYS = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
     "factors": frozenset({"factors"}),
+    "longrope": frozenset(
+        {"short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"}
+    ),
+    "dynamic": frozenset({"factor", "original_max_position_embeddings"}),
     "yarn": frozenset(
         {
             "factor",
@@ -55,6 +68,8 @@ REQUIRED_KEYS = {
     "llama3": ROPE_KEYS["llama3"],
     "yarn": frozenset({"factor", "original_max_position_embeddings"}),
     "factors": frozenset({"factors"}),
+    "longrope": frozenset({"short_factor", "long_factor", "original_max_position_embeddings", "factor"}),
+    "dynamic": frozenset({"factor"}),
 }
 
 
@@ -86,7 +101,14 @@ def validate_rope_scaling(owner: str, scaling: dict | None, rotated_width: int) 
         if len(factors) != rotated_width // 2:
             v.fail(owner, "rope_scaling.factors", f"{rotated_width // 2} factors (one per rotated pair)", len(factors))
         return
-    for key in sorted(set(scaling) - {"rope_type", "truncate"}):
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = scaling[key]
+            if not isinstance(factors, list) or len(factors) != rotated_width // 2:
+                v.fail(owner, f"rope_scaling.{key}", f"a list of {rotated_width // 2} numbers (one per pair)", factors)
+            for factor in factors:
+                v.finite_float(owner, f"rope_scaling.{key}[]", factor, minimum=0.0, inclusive=False)
+    for key in sorted(set(scaling) - {"rope_type", "truncate", "short_factor", "long_factor"}):
         value = scaling[key]
         if key in ("attention_factor", "mscale", "mscale_all_dim") and value is None:
             continue
@@ -106,6 +128,10 @@ def rope_inverse_frequencies(rotated_width: int, base: float, scaling: dict | No
         return inv_freq
     if kind == "factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
+    if kind == "longrope":  # the short factors; rope_long_inverse_frequencies gives the long ones
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
+    if kind == "dynamic":  # default within max_position_embeddings (see the module docstring)
+        return inv_freq
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor
@@ -137,8 +163,19 @@ def rope_inverse_frequencies(rotated_width: int, base: float, scaling: dict | No
     return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated
 
 
+def rope_long_inverse_frequencies(rotated_width: int, base: float, scaling: dict) -> torch.Tensor:
+    """LongRoPE's inv_freq past the original context (divided by long_factor)."""
+    exponents = torch.arange(0, rotated_width, 2, dtype=torch.float64) / rotated_width
+    return base ** (-exponents) / torch.tensor(scaling["long_factor"], dtype=torch.float64)
+
+
 def rope_attention_factor(scaling: dict | None) -> float:
-    """The factor cos and sin are multiplied by (YaRN's attention temperature); 1 for the other types."""
+    """The factor cos and sin are multiplied by (YaRN's and LongRoPE's attention temperature); 1 for the others."""
+    if scaling and scaling.get("rope_type") == "longrope":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     if not scaling or scaling.get("rope_type") != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:

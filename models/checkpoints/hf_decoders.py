@@ -45,7 +45,6 @@ ARCHITECTURES = {
 }
 GEMMA = ("gemma2", "gemma3_text")
 # RoPE types transformers computes from the sequence length at run time: refused by name.
-DYNAMIC_ROPE = {"dynamic": "dynamic NTK", "longrope": "LongRoPE's short/long factors"}
 # Keys each type reads beyond the common ones (hidden sizes, heads, eps, RoPE, tie, head_dim).
 TYPE_KEYS = {
     "llama": {"attention_bias"},
@@ -164,9 +163,8 @@ def _rope_dict(value: dict, hf: dict, where: Path, model_type: str) -> tuple[flo
     kind = merged.pop("rope_type", None) or merged.pop("type", "default")
     merged.pop("type", None)
     partial = merged.pop("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct")))
-    if kind in DYNAMIC_ROPE or kind not in ROPE_TYPES or kind == "factors":
-        why = f" ({DYNAMIC_ROPE[kind]} change with the sequence length at run time)" if kind in DYNAMIC_ROPE else ""
-        raise refusal(where, "rope_type", kind, model_type, f"default, linear, llama3, yarn{why}")
+    if kind not in ROPE_TYPES or kind == "factors":
+        raise refusal(where, "rope_type", kind, model_type, "default, linear, llama3, yarn, longrope, dynamic")
     if kind == "default":
         if merged:
             key = sorted(merged)[0]
@@ -174,7 +172,12 @@ def _rope_dict(value: dict, hf: dict, where: Path, model_type: str) -> tuple[flo
                 where, f"rope_parameters.{key}", merged[key], model_type, 'nothing else with rope_type "default"'
             )
         return float(theta), None, partial
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in merged:
+    if kind == "longrope" and merged.get("factor") is None:
+        # transformers: a missing factor is the context's growth over the original (Phi-3's convention).
+        original = merged.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+        if is_number(original) and original > 0 and is_number(hf.get("max_position_embeddings")):
+            merged["factor"] = hf["max_position_embeddings"] / original
+    if kind in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" not in merged:
         # transformers' standardize_rope_params: the top-level key (Phi-3 style), else the context.
         merged["original_max_position_embeddings"] = hf.get(
             "original_max_position_embeddings", hf.get("max_position_embeddings")

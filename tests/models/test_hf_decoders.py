@@ -207,9 +207,16 @@ def test_config_switches(case):
 @torch.no_grad()
 def test_prefill_and_cached_decode_match_transformers(case):
     name, directory, hf = case
+    assert_matches_transformers(directory, hf, seed=len(name))
+
+
+def assert_matches_transformers(directory, hf, seed, decode_is_prefill=True):
+    """Prefill logits, then cached decode one token at a time from 4 tokens to SEQ, within 1e-4 of transformers.
+    decode_is_prefill: each decode step also equals the prefill at its position (not for LongRoPE, whose keys
+    cached before the switch keep their short-factor rotation, in transformers as here)."""
     ours = import_checkpoint(directory).model.eval()
     config = ours.config
-    ids = ids_for(config.vocab_size, seed=len(name))
+    ids = ids_for(config.vocab_size, seed=seed)
     want = hf(torch.from_numpy(ids)).logits.numpy()
     close(ours(torch.from_numpy(ids))["logits"].numpy(), want)
     # Cached decode: a prefill of 4 tokens, then one token at a time through both caches, past the window and
@@ -226,7 +233,46 @@ def test_prefill_and_cached_decode_match_transformers(case):
         theirs = hf(step, past_key_values=cache, use_cache=True)
         cache = theirs.past_key_values
         close(out["logits"].numpy(), theirs.logits.numpy())
-        close(out["logits"].numpy()[:, 0], want[:, t])
+        if decode_is_prefill:
+            close(out["logits"].numpy()[:, 0], want[:, t])
+
+
+# RoPE types that transformers computes from the call's positions. LongRoPE switches from short to long factors
+# once max(position) + 1 passes the original context (16 here; SEQ = 24 crosses it, on prefill and while
+# decoding); dynamic NTK changes the base only past max_position_embeddings, which is the context we accept.
+LENGTH_ROPE = {
+    "phi3-longrope": (
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=ORIGINAL,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1000.0,
+                "short_factor": [1.0, 1.3, 2.5],
+                "long_factor": [3.0, 7.0, 40.0],
+            },
+        ),
+    ),
+    "llama-dynamic": (
+        "LlamaConfig",
+        dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0}),
+    ),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", list(LENGTH_ROPE))
+def test_length_dependent_rope_matches_transformers(tokenizer, tmp_path, name):
+    cls, keys = LENGTH_ROPE[name]
+    config = getattr(transformers, cls)(vocab_size=tokenizer.get_vocab_size(), **{**COMMON, **keys})
+    config._attn_implementation = "eager"
+    hf = randomize(transformers.AutoModelForCausalLM.from_config(config), 11)
+    hf.save_pretrained(tmp_path / "hf")
+    assert_matches_transformers(tmp_path / "hf", hf, seed=3, decode_is_prefill=name != "phi3-longrope")
+    scaling = import_checkpoint(tmp_path / "hf").config.rope_scaling
+    assert scaling["rope_type"] == LENGTH_ROPE[name][1]["rope_parameters"]["rope_type"]
+    if name == "phi3-longrope":  # no factor given: the context's growth over the original, as transformers takes it
+        assert scaling["factor"] == MAX_POS / ORIGINAL
 
 
 @torch.no_grad()
@@ -256,20 +302,12 @@ def save_config(tokenizer, tmp_path, cls, **keys):
     return tmp_path / "hf"
 
 
-@pytest.mark.parametrize(
-    "cls,keys,message",
-    [
-        ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic NTK"),
-        (
-            "Phi3Config",
-            dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}),
-            "LongRoPE",
-        ),
-    ],
-    ids=["dynamic-rope", "longrope"],
-)
-def test_switches_not_built_are_refused_by_name(tokenizer, tmp_path, cls, keys, message):
-    directory = save_config(tokenizer, tmp_path, cls, **keys)
-    with pytest.raises(ModelFileError, match=message) as info:
-        import_checkpoint(directory)
+def test_longrope_factors_of_the_wrong_length_are_refused_by_name():
+    from artifact.errors import ConfigError
+    from models.rope import validate_rope_scaling
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [1.0, 2.0, 3.0]}
+    scaling.update(original_max_position_embeddings=16, factor=4.0)
+    with pytest.raises(ConfigError, match=r"rope_scaling\.short_factor.*a list of 3 numbers") as info:
+        validate_rope_scaling("llama config", scaling, 6)
     assert "\n" not in str(info.value)
