@@ -136,7 +136,7 @@ def export_model(
             proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
             traced_blocks, weights = getattr(config, "layers", 1), _weight_map(model, proto)
         else:
-            (proto, weights), traced_blocks = replicated, 1
+            (proto, weights), traced_blocks = replicated, len(replicate.layer_kinds(config)[1])
             if any(name not in weights for name in model.state_dict()):  # e.g. a buffer held as an initializer
                 weights = {**_weight_map(model, proto), **weights}
         graph_used = {n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN}
@@ -310,8 +310,9 @@ def _check_and_infer(proto: onnx.ModelProto) -> None:
 
 
 def _trace_one_block(model, family: str, config, graph_name: str, variant: str, inputs, names, fill):
-    """(graph, weight map) traced from a one-block copy and replicated (exporters.replicate), or None
-    when the family or the traced graph does not allow it; the caller then traces the whole model."""
+    """(graph, weight map) traced from a copy with one block per kind of layer and replicated
+    (exporters.replicate), or None when the family or the traced graph does not allow it; the caller then traces
+    the whole model."""
     if not replicate.replicable(family, config):
         return None
     small_config, small = replicate.one_block_model(model, family, config)

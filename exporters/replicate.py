@@ -43,23 +43,44 @@ TRACE_VOCAB = 97  # the one-block model's vocabulary: a prime, so no other axis 
 
 
 def replicable(family: str, config) -> bool:
-    """Whether a `family` model of `config` is exported by tracing one block and replicating it."""
-    # Layers that differ (alternating windows, layers without RoPE) are traced whole: one block cannot stand for all.
-    return (
-        family in REPLICABLE_FAMILIES and getattr(config, "layers", 1) > 1 and getattr(config, "uniform_layers", True)
-    )
+    """Whether a `family` model of `config` is exported by tracing one block per kind of layer and replicating."""
+    layers = getattr(config, "layers", 1)
+    return family in REPLICABLE_FAMILIES and layers > 1 and len(layer_kinds(config)[1]) < layers
+
+
+def layer_kinds(config) -> tuple[list[int], list[int]]:
+    """(each layer's kind, the first layer of each kind). Layers of one kind compute the same function of their
+    own weights (config.layer_attention: window, RoPE base and scaling); Gemma's alternating local and global
+    layers are two kinds, SmolLM3's layers with and without RoPE two, a uniform model one."""
+    layers = getattr(config, "layers", 1)
+    if not hasattr(config, "layer_attention"):
+        return [0] * layers, [0]
+    seen: dict[str, int] = {}
+    kinds, firsts = [], []
+    for i in range(layers):
+        key = repr(sorted(config.layer_attention(i).items()))
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(i)
+        kinds.append(seen[key])
+    return kinds, firsts
 
 
 def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
-    """(config with one block, its model with distinct random parameters and the real buffers)."""
+    """(config with one block per kind of layer, its model with distinct random parameters and the real buffers).
+    Block j of the small model is the first layer of kind j (layer_kinds)."""
     from models.registry import build_model
 
-    # Per-layer lists keep their first entry (replicable configs have every layer alike).
-    per_layer = {k: getattr(config, k)[:1] for k in ("layer_types", "no_rope_layers") if getattr(config, k, None)}
+    _, firsts = layer_kinds(config)
+    per_layer = {
+        k: [getattr(config, k)[i] for i in firsts]
+        for k in ("layer_types", "no_rope_layers")
+        if getattr(config, k, None)
+    }
     # A small vocabulary: the traced graph's embedding and head are placeholders the real ones replace, and at a
     # 128k vocabulary they would be GBs the trace copies twice. Only the logits' declared width depends on it.
     vocab = min(config.vocab_size, TRACE_VOCAB)
-    small_config = dataclasses.replace(config, layers=1, vocab_size=vocab, **per_layer)
+    small_config = dataclasses.replace(config, layers=len(firsts), vocab_size=vocab, **per_layer)
     small = build_model(family, small_config, init=False)
     generator = torch.Generator().manual_seed(seed)
     real_buffers = dict(model.named_buffers())
@@ -68,8 +89,17 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
             # Distinct random values make each initializer's bytes name exactly one parameter.
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
         for name, buffer in small.named_buffers():
-            buffer.copy_(real_buffers[name])
+            buffer.copy_(real_buffers[_template_source(name, firsts)])
     return small_config, small.eval()
+
+
+def _template_source(name: str, firsts: list[int]) -> str:
+    """The full model's name of a small model's block.j.x: block.{firsts[j]}.x (the layer block j stands for)."""
+    head, dot, rest = name.partition(f"{BLOCK_LIST}.")
+    if not dot or head not in ("", "model."):
+        return name
+    index, _, tail = rest.partition(".")
+    return f"{head}{BLOCK_LIST}.{firsts[int(index)]}.{tail}" if index.isdigit() else name
 
 
 def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, tuple[str, bool]] | None:
@@ -118,9 +148,10 @@ def _scopes(node: onnx.NodeProto) -> list[str]:
     return []
 
 
-def _layer_name(name: str, i: int) -> str | None:
-    """block.0.x -> block.{i}.x, past.0.key -> past.{i}.key, present.0.value -> present.{i}.value."""
-    for prefix in ("block.0.", "past.0.", "present.0."):
+def _layer_name(name: str, i: int, template: int = 0) -> str | None:
+    """block.0.x -> block.{i}.x, past.0.key -> past.{i}.key, present.0.value -> present.{i}.value (from block
+    `template` in place of 0)."""
+    for prefix in (f"block.{template}.", f"past.{template}.", f"present.{template}."):
         if name.startswith(prefix):
             return f"{prefix.split('.')[0]}.{i}.{name[len(prefix) :]}"
     return None
@@ -158,6 +189,8 @@ def replicate_with_weights(
     sources = _initializer_sources(small, proto)
     if sources is None:
         return None
+    if small.config.layers > 1:
+        return _replicate_kinds(model, small, proto, config, input_names, output_names, sources, weights)
     block = _find_block(proto, config.width)
     if block is None:
         return None
@@ -171,6 +204,12 @@ def replicate_with_weights(
         copies.extend(_clone_nodes(block.nodes, renamed, i))
         last_output = renamed[block.output]
     nodes = topological(_rewired_nodes(proto.graph, block, last_output) + copies)
+    return _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights)
+
+
+def _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights):
+    """The replicated graph with its initializers filled from `model`, and the weight map; None when the
+    nodes do not order or assemble (the caller then traces the whole model)."""
     if nodes is None:
         return None
     result = _assembled(proto, nodes, input_names, output_names, config.layers)
@@ -214,10 +253,110 @@ class _Block:
     per_block_inputs: set[str]  # graph inputs named per block (past.0.*); the rest (position_ids, masks) are shared
 
 
-def _find_block(proto: onnx.ModelProto, width: int) -> _Block | None:
-    """Block 0 of `proto` and its boundary, or None when the graph is not one this rewrite can replicate."""
+def _replicate_kinds(model, small, proto, config, input_names, output_names, sources, weights):
+    """replicate_with_weights for layers of several kinds: the small model's block j is the template of kind j,
+    and every layer of the full model is a copy of its kind's template (the templates themselves are dropped).
+
+    The trace computes what the templates share (masks, RoPE tables) once, in whichever block came first; those
+    values are kept as computed there when they do not depend on the hidden state, else this returns None."""
+    graph, kinds = proto.graph, layer_kinds(config)[0]
+    count = small.config.layers
+    templates = [_template(proto, config.width, j) for j in range(count)]
+    if any(t is None for t in templates):
+        return None
+    for j in range(count - 1):  # the chain: template j's output is template j+1's hidden input
+        templates[j] = dataclasses.replace(templates[j], output=templates[j + 1].hidden_input)
+    last = _chain_output(graph, templates)
+    if last is None:
+        return None
+    templates[-1] = dataclasses.replace(templates[-1], output=last)
+    shared = _shared_nodes(graph, templates)
+    if shared is None:
+        return None
+    template_weights = [
+        {init: src for init, src in sources.items() if src[0].startswith(f"{BLOCK_LIST}.{j}.")} for j in range(count)
+    ]
+    dropped = {init for w in template_weights for init in w}
+    plan = [e for e in _traced_plan(graph, sources) if isinstance(e, onnx.TensorProto) or e[0] not in dropped]
+    copies, last_output = [], templates[0].hidden_input
+    for i, kind in enumerate(kinds):
+        block, block_weights = templates[kind], template_weights[kind]
+        renamed = _renaming(block, block_weights, i, last_output, template=kind)
+        plan.extend(_block_plan(block_weights, renamed, i, template=kind))
+        copies.extend(_clone_nodes(block.nodes, renamed, i))
+        last_output = renamed[block.output]
+    # Outside the blocks, what read a template's output reads the last layer's (the logits; shapes elsewhere).
+    ends = {t.output for t in templates}
+    outside = []
+    for k, node in enumerate(graph.node):
+        if not any(t.in_block[k] for t in templates):
+            node = copy.deepcopy(node)
+            node.input[:] = [last_output if x in ends else x for x in node.input]
+            outside.append(node)
+    nodes = topological(outside + shared + copies)
+    return _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights)
+
+
+def _template(proto: onnx.ModelProto, width: int, index: int) -> _Block | None:
+    """Block `index` of a several-block trace: its nodes, its hidden input and what it exposes (its output is
+    set by the caller from the chain)."""
     graph = proto.graph
-    in_block = _in_block_zero(graph.node)
+    in_block = _in_block_zero(graph.node, index)
+    if in_block is None:
+        return None
+    nodes = [n for n, b in zip(graph.node, in_block, strict=True) if b]
+    produced = {o for n in nodes for o in n.output}
+    graph_inputs = {v.name for v in graph.input}
+    initializers = {t.name for t in graph.initializer}
+    external = {i for n in nodes for i in n.input if i and i not in produced}
+    hidden_input = _hidden_input(proto, external - graph_inputs - initializers, width)
+    if hidden_input is None:
+        return None
+    exposed = produced & {v.name for v in graph.output}
+    if any(_layer_name(name, 1, index) is None for name in exposed):
+        return None
+    per_block_inputs = {name for name in external & graph_inputs if _layer_name(name, 1, index) is not None}
+    return _Block(in_block, nodes, produced, "", hidden_input, exposed, per_block_inputs)
+
+
+def _chain_output(graph: onnx.GraphProto, templates: list[_Block]) -> str | None:
+    """The last template's value that the nodes after the blocks read (the hidden state into the final norm)."""
+    inside = [any(t.in_block[k] for t in templates) for k in range(len(graph.node))]
+    read = {i for n, b in zip(graph.node, inside, strict=True) if not b for i in n.input}
+    leaving = templates[-1].produced & read
+    return next(iter(leaving)) if len(leaving) == 1 else None
+
+
+def _shared_nodes(graph: onnx.GraphProto, templates: list[_Block]) -> list[onnx.NodeProto] | None:
+    """The template nodes computing values another template reads (other than the chain), with what they need
+    from their own template; None when that depends on the hidden state (it would differ per layer)."""
+    producer = {o: n for t in templates for n in t.nodes for o in n.output}
+    chain = {t.hidden_input for t in templates} | {t.output for t in templates}
+    wanted = [
+        x
+        for j, t in enumerate(templates)
+        for n in t.nodes
+        for x in n.input
+        if x in producer and x not in t.produced and x not in chain
+    ]
+    kept, seen = [], set()
+    while wanted:
+        value = wanted.pop()
+        node = producer.get(value)
+        if node is None or id(node) in seen:
+            continue
+        if any(x in chain for x in node.input):
+            return None
+        seen.add(id(node))
+        kept.append(node)
+        wanted.extend(x for x in node.input if x in producer)
+    return [copy.deepcopy(n) for n in kept]
+
+
+def _find_block(proto: onnx.ModelProto, width: int, index: int = 0) -> _Block | None:
+    """Block `index` of `proto` and its boundary, or None when the graph is not one this rewrite can replicate."""
+    graph = proto.graph
+    in_block = _in_block_zero(graph.node, index)
     if in_block is None:
         return None
     nodes = [n for n, b in zip(graph.node, in_block, strict=True) if b]
@@ -232,15 +371,15 @@ def _find_block(proto: onnx.ModelProto, width: int) -> _Block | None:
     if hidden_input is None:
         return None
     exposed = produced & {v.name for v in graph.output}
-    if any(_layer_name(name, 1) is None for name in exposed):
+    if any(_layer_name(name, 1, index) is None for name in exposed):
         return None  # a block output we do not know how to rename
-    per_block_inputs = {name for name in external & graph_inputs if _layer_name(name, 1) is not None}
+    per_block_inputs = {name for name in external & graph_inputs if _layer_name(name, 1, index) is not None}
     return _Block(in_block, nodes, produced, output, hidden_input, exposed, per_block_inputs)
 
 
-def _in_block_zero(nodes) -> list[bool] | None:
-    """Per node, whether its scopes put it in block 0; None when none does or a node holds a subgraph."""
-    scope = f"model.{BLOCK_LIST}.0"
+def _in_block_zero(nodes, index: int = 0) -> list[bool] | None:
+    """Per node, whether its scopes put it in block `index`; None when none does or a node holds a subgraph."""
+    scope = f"model.{BLOCK_LIST}.{index}"
     in_block = [scope in _scopes(n) for n in nodes]
     if not any(in_block) or any(
         n.attribute and any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute) for n in nodes
@@ -284,30 +423,33 @@ def _traced_plan(graph: onnx.GraphProto, sources: dict[str, tuple[str, bool]]) -
     return [(t.name, *sources[t.name]) if t.name in sources else t for t in graph.initializer]
 
 
-def _renaming(block: _Block, block_weights: dict[str, tuple[str, bool]], i: int, hidden: str) -> dict[str, str]:
-    """{block 0's name: block i's name} for what block i's copy reads and produces; it reads `hidden` as input."""
+def _renaming(
+    block: _Block, block_weights: dict[str, tuple[str, bool]], i: int, hidden: str, template: int = 0
+) -> dict[str, str]:
+    """{template block's name: block i's name} for what block i's copy reads and produces; it reads `hidden`."""
     renamed = {block.hidden_input: hidden}
     for init in block_weights:
-        renamed[init] = _initializer_name(init, i)
+        renamed[init] = _initializer_name(init, i, template)
     for name in block.per_block_inputs:
-        renamed[name] = _layer_name(name, i)
+        renamed[name] = _layer_name(name, i, template)
     for name in block.produced:
-        renamed[name] = _layer_name(name, i) if name in block.exposed else f"{name}__{BLOCK_LIST}{i}"
+        renamed[name] = _layer_name(name, i, template) if name in block.exposed else f"{name}__{BLOCK_LIST}{i}"
     return renamed
 
 
-def _initializer_name(init: str, i: int) -> str:
-    """Block i's name for block 0's initializer: model.block.{i}.x for model.block.0.x, else init__block{i}."""
-    target = _layer_name(init.removeprefix("model."), i)
+def _initializer_name(init: str, i: int, template: int = 0) -> str:
+    """Block i's name for the template block's initializer: model.block.{i}.x for model.block.{template}.x, else
+    init__block{i}."""
+    target = _layer_name(init.removeprefix("model."), i, template)
     return f"model.{target}" if target and init.startswith("model.") else f"{init}__{BLOCK_LIST}{i}"
 
 
 def _block_plan(
-    block_weights: dict[str, tuple[str, bool]], renamed: dict[str, str], i: int
+    block_weights: dict[str, tuple[str, bool]], renamed: dict[str, str], i: int, template: int = 0
 ) -> list[tuple[str, str, bool]]:
-    """Block i's initializer plan entries: block 0's weights renamed, each holding block i's parameter."""
+    """Block i's initializer plan entries: the template's weights renamed, each holding block i's parameter."""
     return [
-        (renamed[init], param.replace(f"{BLOCK_LIST}.0.", f"{BLOCK_LIST}.{i}.", 1), transposed)
+        (renamed[init], param.replace(f"{BLOCK_LIST}.{template}.", f"{BLOCK_LIST}.{i}.", 1), transposed)
         for init, (param, transposed) in block_weights.items()
     ]
 

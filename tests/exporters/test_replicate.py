@@ -18,6 +18,27 @@ CASES = {
     "llama-serving": ("llama", LlamaConfig(layers=3, kv_heads=2, rope_pairing="half"), "serving"),
     # GPT: LayerNorm, learned positions, biases, and every per-block stage as a graph output.
     "gpt-stages": ("gpt", GPTConfig(layers=3), "stages"),
+    # Two kinds of layer (Gemma's local windowed layers with their own RoPE base, and global ones), not in a
+    # regular pattern: two traced blocks, each the template of its kind.
+    "layer-kinds-serving": (
+        "llama",
+        LlamaConfig(
+            layers=5,
+            kv_heads=2,
+            sliding_window=3,
+            local_rope_base=100.0,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+        ),
+        "serving",
+    ),
+    # SmolLM3's layers without RoPE, every stage an output.
+    "no-rope-stages": ("llama", LlamaConfig(layers=4, no_rope_layers=[1, 1, 1, 0]), "stages"),
 }
 
 
@@ -34,7 +55,8 @@ def _export_both(tmp_path, monkeypatch, family, config, variant):
 def test_replicated_graph_computes_what_the_full_trace_computes(case, tmp_path, monkeypatch):
     family, config, variant = CASES[case]
     replicated, traced = _export_both(tmp_path, monkeypatch, family, config, variant)
-    assert replicated.graphs[0].entry.data["traced_blocks"] == 1
+    assert replicated.graphs[0].entry.data["traced_blocks"] == len(replicate.layer_kinds(config)[1])
+    assert len(replicate.layer_kinds(config)[1]) < config.layers
     assert traced.graphs[0].entry.data["traced_blocks"] == config.layers
     assert replicated.graphs[0].input_specs == traced.graphs[0].input_specs
     assert replicated.graphs[0].output_names == traced.graphs[0].output_names

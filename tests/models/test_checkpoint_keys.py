@@ -65,16 +65,17 @@ def edited_copy(source, directory, **changes):
 # --------------------------------------------------------------------------- Hugging Face llama
 
 # key: (value that changes the math, as the message shows it, what the message says is supported)
+SUPPORTED_ROPE = "default, linear, llama3, yarn, longrope, dynamic"
 LLAMA_REFUSED = {
     "sliding_window": (16, "16", f"null or >= max_position_embeddings = {MAX_POS} (no window)"),
     "use_sliding_window": (True, "true", None),  # with a window shorter than the context (set below)
-    # RoPE whose frequencies follow the sequence length at run time (linear, llama3 and yarn are implemented:
-    # tests/models/test_hf_decoders.py holds them to transformers).
-    "rope_scaling": ({"rope_type": "dynamic", "factor": 2.0}, '"dynamic"', "default, linear, llama3, yarn"),
+    # A RoPE type the import does not implement (multimodal sections); every type transformers initialises is
+    # implemented, and tests/models/test_hf_decoders.py holds them to transformers.
+    "rope_scaling": ({"rope_type": "mrope", "mrope_section": [1, 1, 2]}, '"mrope"', SUPPORTED_ROPE),
     "rope_parameters": (
-        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0], "rope_theta": 100.0},
-        '"longrope"',
-        "default, linear, llama3, yarn",
+        {"rope_type": "mrope", "mrope_section": [1, 1, 2], "rope_theta": 100.0},
+        '"mrope"',
+        SUPPORTED_ROPE,
     ),
     "attention_bias": ("yes", '"yes"', "true or false"),
     "mlp_bias": (True, "true", "false"),

@@ -304,8 +304,10 @@ BAD_HF = {
         r'hidden_act="gelu" is not supported by the llama import; supported: "silu"',
     ),
     "rope scaling (legacy rope_scaling)": (
-        _mutate_config(rope_parameters=None, rope_theta=100.0, rope_scaling={"type": "dynamic", "factor": 2.0}),
-        r'rope_type="dynamic" is not supported by the llama import; supported: default, linear, llama3, yarn',
+        _mutate_config(
+            rope_parameters=None, rope_theta=100.0, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}
+        ),
+        r'rope_type="mrope" is not supported by the llama import; supported: default, linear, llama3, yarn, longrope',
     ),
     "unknown yarn key": (
         _mutate_config(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 100.0, "frob": 1}),

@@ -421,6 +421,9 @@ VERIFY_TOKENS = 8
 # Bytes per parameter the verification holds beside the imported model: transformers' float32 copy (4), our
 # float64 rebuild (8) and its float32 copy (4), plus the imported float32 model still alive in the export (4).
 VERIFY_BYTES_PER_PARAMETER = 20
+# Beside those: transformers' import and its model classes (about 0.11 GiB resident beside torch, measured),
+# with room for the activations of the few verification tokens.
+VERIFY_OVERHEAD_BYTES = 1 << 28
 
 
 def available_memory() -> int | None:
@@ -445,7 +448,8 @@ def why_not_verify(source: dict, parameters: int) -> str | None:
         return f"transformers loads Hugging Face directories, not {source.get('format')} checkpoints"
     if not transformers_available():
         return f"transformers is not installed ({INSTALL_HINT})"
-    needed, available = parameters * VERIFY_BYTES_PER_PARAMETER, available_memory()
+    needed = parameters * VERIFY_BYTES_PER_PARAMETER + VERIFY_OVERHEAD_BYTES
+    available = available_memory()
     if available is None:
         return "this machine does not say how much memory is free (--verify forces it)"
     if needed > available:

@@ -283,8 +283,8 @@ def misreading_import(monkeypatch, delta=1e-2):
 
     real = checkpoints.import_checkpoint
 
-    def misread(path):
-        imported = real(path)
+    def misread(path, **options):
+        imported = real(path, **options)
         with torch.no_grad():
             imported.model.block[1].feed_forward.down_proj.weight[3, 5] += delta
         return imported
@@ -312,22 +312,30 @@ def test_export_that_disagrees_with_the_original_fails_and_writes_nothing(export
 
 def test_export_skips_verification_it_cannot_do_and_says_why(exports, tmp_path, monkeypatch):
     import toolkit.check.oracle as oracle
+    from artifact.format import DEFAULT_LOWERING
+    from models.checkpoints import checkpoint_weights
+    from toolkit.commands.export import export_memory
 
     checkpoint, _ = exports["llama"]
-    monkeypatch.setattr(oracle, "available_memory", lambda: 1024)
+    room = export_memory(*checkpoint_weights(checkpoint), "float32", DEFAULT_LOWERING)
+
+    def export(*args):
+        # Room for the export when it starts; once the import holds its share, none is left for the original.
+        readings = iter([room])
+        monkeypatch.setattr(oracle, "available_memory", lambda: next(readings, 1024))
+        return invoke("export", "--from", checkpoint, *args)
+
     misreading_import(monkeypatch)
-    result = invoke("export", "--from", checkpoint, "--out", tmp_path / "a")
+    result = export("--out", tmp_path / "a")
     assert result.exit_code == 0, result.output
     assert "not verified against the original: the original needs about" in result.output
     assert "--verify forces it" in result.output
-    assert_user_error(invoke("export", "--from", checkpoint, "--out", tmp_path / "b", "--verify"), "disagrees")
+    assert_user_error(export("--out", tmp_path / "b", "--verify"), "disagrees")
 
     monkeypatch.setitem(sys.modules, "transformers", None)
-    result = invoke("export", "--from", checkpoint, "--out", tmp_path / "c")
+    result = export("--out", tmp_path / "c")
     assert result.exit_code == 0 and "not verified against the original: transformers is not installed" in result.output
-    assert_user_error(
-        invoke("export", "--from", checkpoint, "--out", tmp_path / "d", "--verify"), "pip install '.[oracle]'"
-    )
+    assert_user_error(export("--out", tmp_path / "d", "--verify"), "pip install '.[oracle]'")
 
 
 def test_verify_needs_a_checkpoint():
