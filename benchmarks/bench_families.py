@@ -82,12 +82,12 @@ FEATURES = {
     "mistral": f"sliding window {SLIDING_WINDOW}",
     "qwen2": "q/k/v biases",
     "qwen3": "q/k RMSNorm",
-    "gemma2": "GeGLU, sandwich norms, soft caps, alternating windows (traced whole)",
-    "gemma3": "Gemma 2's less soft caps, q/k norms, local RoPE base (traced whole)",
+    "gemma2": "GeGLU, sandwich norms, soft caps, alternating windows",
+    "gemma3": "Gemma 2's less soft caps, q/k norms, local RoPE base",
     "olmo2": "norms after each branch, full-width q/k norms",
     "granite": "embedding/attention/residual/logits multipliers",
     "phi3": "fused qkv/gate_up split at import, sliding window",
-    "smollm3": "no RoPE on every 4th layer (traced whole)",
+    "smollm3": "no RoPE on every 4th layer",
     "gpt_neox": "LayerNorm, GELU MLP with biases, parallel residual, partial rotary",
 }
 QUIET_SHARE = 0.15  # the CPUs count as idle below this busy share over a 2 s sample
