@@ -8,7 +8,6 @@ subclass (artifact.errors).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -34,6 +33,7 @@ from artifact.format import (
     parse_manifest,
 )
 from artifact.hashing import sha256_bytes, sha256_file
+from artifact.jsonfile import parse_json, read_json
 from artifact.protobuf import NotText, all_tensors, decode_strings, is_external, weightless
 from artifact.write import glob_escape, write_artifact
 
@@ -133,17 +133,7 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
     if not manifest_path.is_file():
         raise ModelFileError(f"{path}: missing {MANIFEST_FILE}; is this a `toolkit export` directory?")
     _check_inside(manifest_path, path)
-    manifest_size = manifest_path.stat().st_size
-    if manifest_size > MAX_MANIFEST_BYTES:
-        raise ModelFileError(
-            f"{manifest_path}: {manifest_size:,} bytes, above the {MAX_MANIFEST_BYTES:,} a manifest "
-            "may have; this is not a manifest `toolkit export` wrote"
-        )
-    try:
-        manifest = json.loads(manifest_path.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise ModelFileError(f"{manifest_path}: not valid JSON ({reason}); re-run `toolkit export`") from None
+    manifest = read_json(manifest_path, what="manifest", max_bytes=MAX_MANIFEST_BYTES, advice="re-run `toolkit export`")
     typed = parse_manifest(manifest, manifest_path)
     graphs = []
     for entry in typed.graphs:
@@ -161,6 +151,7 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
             _check_hash(data_path, digest, "the weights beside the graph changed or were truncated; re-export")
         # The hash is checked on the bytes validate_onnx reads, before it parses them (one read, not two).
         model = validate_onnx(model_path, max_bytes=limit, sha256=entry.sha256)
+        check_graph_matches_entry(model, entry, model_path)
         stray = sorted(external_locations(model) - set(entry.external_data))
         if stray:
             raise ExternalDataError(
@@ -185,18 +176,68 @@ def _load_lone_onnx(path: Path, limit: int) -> Artifact:
         raise ModelFileError(
             f"{path}: ONNX file has no {METADATA_KEY} metadata; it was not written by `toolkit export`"
         )
-    try:
-        manifest = json.loads(props[METADATA_KEY])
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ModelFileError(f"{path}: embedded manifest is not valid JSON ({exc})") from None
-    typed = parse_manifest(manifest, path, needs_hash=False)
+    manifest = parse_json(props[METADATA_KEY], f"{path}: embedded manifest", advice="re-run `toolkit export`")
+    typed = parse_manifest(manifest, f"{path}: embedded manifest", needs_hash=False)
     if len(typed.graphs) != 1:
         raise ModelFileError(
             f"{path}: is the {manifest.get('graph')!r} graph of a {len(manifest['graphs'])}-graph artifact; "
             "pass the artifact directory instead"
         )
     entry = typed.graphs[0]
+    check_graph_matches_entry(model, entry, path)
     return Artifact(directory=None, manifest=typed, graphs=[GraphArtifact(entry.name, path, entry)])
+
+
+def _dtype_name(elem_type: int) -> str | None:
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type).name
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def check_graph_matches_entry(model, entry, path: Path) -> None:
+    """The graph's inputs are the manifest's (names, dtypes, ranks, and every size the graph fixes) and each
+    output the manifest lists is the graph's (name, dtype): feeds are checked against the manifest, so a graph
+    that disagrees would fail inside a runtime instead."""
+    initialized = {t.name for t in model.graph.initializer}
+    graph_inputs = {v.name: v for v in model.graph.input if v.name not in initialized}
+    declared = {spec.name: spec for spec in entry.inputs}
+    where = f"{path}: graph {entry.name!r}"
+    for name in graph_inputs.keys() - declared.keys():
+        raise ModelFileError(f"{where} has input {name!r}, which the manifest does not list; re-export")
+    for name, spec in declared.items():
+        value = graph_inputs.get(name)
+        if value is None:
+            raise ModelFileError(f"{where} has no input {name!r}, which the manifest lists; re-export")
+        tensor = value.type.tensor_type
+        dtype = _dtype_name(tensor.elem_type) if tensor.elem_type else None
+        if dtype is not None and dtype != spec.dtype:
+            raise ModelFileError(
+                f"{where}: input {name!r} is {dtype} in the graph, {spec.dtype} in the manifest; re-export"
+            )
+        if not tensor.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if len(dims) != len(spec.shape) or any(
+            fixed is not None and fixed != size for fixed, size in zip(dims, spec.shape, strict=False)
+        ):
+            shown = [d if d is not None else "?" for d in dims]
+            raise ModelFileError(
+                f"{where}: input {name!r} has shape {shown} in the graph but {list(spec.shape)} in the manifest; "
+                "re-export"
+            )
+    graph_outputs = {v.name: v for v in model.graph.output}
+    for spec in entry.outputs:
+        value = graph_outputs.get(spec.name)
+        if value is None:
+            raise ModelFileError(f"{where} has no output {spec.name!r}, which the manifest lists; re-export")
+        elem = value.type.tensor_type.elem_type
+        dtype = _dtype_name(elem) if elem else None
+        if dtype is not None and dtype != spec.dtype:
+            raise ModelFileError(
+                f"{where}: output {spec.name!r} has dtype {dtype} in the graph, {spec.dtype} in the manifest "
+                "(float32 where it names none); re-export"
+            )
 
 
 def _check_hash(path: Path, expected: str, advice: str, data: bytes | None = None) -> None:
@@ -289,28 +330,32 @@ def check_initializer_sizes(model: onnx.ModelProto, path: Path) -> list[int]:
     for tensor in model.graph.initializer:
         raw_size = len(tensor.raw_data)
         raw_sizes.append(raw_size)
-        if not raw_size or tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        if not raw_size:
             continue
-        try:
-            bits = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * 8
-        except (KeyError, TypeError, ValueError):
-            continue  # the checker judges dtypes
-        if tensor.data_type in _SUB_BYTE_TYPES:
-            bits = _SUB_BYTE_TYPES[tensor.data_type]
-        count = 1
-        for dim in tensor.dims:
-            if dim < 0:
-                raise CorruptModelError(
-                    f"{path}: initializer {tensor.name!r} has a negative dimension {dim}; re-export it"
-                )
-            count *= dim
-        expected = (count * bits + 7) // 8
-        if raw_size != expected:
+        expected = tensor_bytes(tensor, path)
+        if expected is not None and raw_size != expected:
             raise CorruptModelError(
                 f"{path}: initializer {tensor.name!r} holds {raw_size} bytes, its shape "
                 f"{list(tensor.dims)} and dtype need {expected}; re-export it"
             )
     return raw_sizes
+
+
+def tensor_bytes(tensor, path: Path) -> int | None:
+    """The bytes a tensor's dims and dtype need (None for strings and dtypes the checker judges)."""
+    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    try:
+        bits = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize * 8
+    except (KeyError, TypeError, ValueError):
+        return None
+    bits = _SUB_BYTE_TYPES.get(tensor.data_type, bits)
+    count = 1
+    for dim in tensor.dims:
+        if dim < 0:
+            raise CorruptModelError(f"{path}: tensor {tensor.name!r} has a negative dimension {dim}; re-export it")
+        count *= dim
+    return (count * bits + 7) // 8
 
 
 def _check_opsets(model, path: Path) -> None:
@@ -373,12 +418,21 @@ def _check_external_data(model, path: Path) -> int:
         if not real.is_file():
             raise ExternalDataError(f"{where}: no such file next to the model")
         size = sizes.setdefault(real, real.stat().st_size)
-        try:
-            offset, length = int(info.get("offset", 0)), int(info.get("length", size))
-        except ValueError:
-            raise ExternalDataError(f"{where}: offset/length are not integers") from None
+        offset_text, length_text = info.get("offset", "0"), info.get("length")
+        if not re.fullmatch(r"\d{1,20}", offset_text) or not re.fullmatch(r"\d{1,20}", length_text or "0"):
+            raise ExternalDataError(
+                f"{where}: offset/length are not integers of at most 20 digits; re-export the model"
+            )
+        offset = int(offset_text)
+        length = size - offset if length_text is None else int(length_text)
         if offset < 0 or length < 0 or offset + length > size:
             raise ExternalDataError(f"{where}: bytes [{offset}, {offset + length}) lie outside the {size}-byte file")
+        expected = tensor_bytes(tensor, path)
+        if expected is not None and length != expected:
+            raise CorruptModelError(
+                f"{where}: length {length} bytes, but its shape {list(tensor.dims)} and dtype need {expected}; "
+                "re-export the model"
+            )
     return sum(sizes.values())
 
 

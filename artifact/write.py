@@ -200,25 +200,42 @@ def write_artifact(out_dir: Path, files: dict[str, bytes | list[bytes]], *, veri
         _clear_leftovers(parent, out_dir.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
         try:
-            for name, data in files.items():
-                if Path(name).name != name or name in (".", ".."):
-                    raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
-                with open(tmp / name, "wb") as handle:
-                    if isinstance(data, list):
-                        # Consumed as written: each tensor's bytes are freed once on disk, not held to the end.
-                        data.reverse()
-                        while data:
-                            handle.write(data.pop())
-                    else:
-                        handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
+            with naming(out_dir):
+                _write_files(tmp, files)
             if verify is not None:
                 verify(tmp)
             swap_in(tmp, out_dir)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_files(tmp: Path, files: dict[str, bytes | list[bytes]]) -> None:
+    for name, data in files.items():
+        if Path(name).name != name or name in (".", ".."):
+            raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
+        with open(tmp / name, "wb") as handle:
+            if isinstance(data, list):
+                # Consumed as written: each tensor's bytes are freed once on disk, not held to the end.
+                data.reverse()
+                while data:
+                    handle.write(data.pop())
+            else:
+                handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+@contextmanager
+def naming(target: Path):
+    """An OSError of a write that names no file (a full disk, a file too large) names `target`, the path the
+    user gave, so the one-line error says where."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from None
+        raise
 
 
 @contextmanager
@@ -278,7 +295,12 @@ def write_staged(target: Path, fill):
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-staged-", dir=parent))
     try:
-        result = fill(staging)
+        try:
+            result = fill(staging)
+        except OSError as exc:  # a write inside the staging directory failed: say it of the target
+            if exc.errno is not None and str(exc.filename or "").startswith(str(staging)):
+                raise OSError(exc.errno, exc.strerror or str(exc), str(target)) from None
+            raise
         swap_in(staging, target)
     finally:
         if staging.exists():
@@ -318,7 +340,7 @@ def write_text_atomically(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
+        with naming(path), os.fdopen(fd, "w") as handle:
             handle.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -331,7 +353,7 @@ def save_npz_atomically(path: str | Path, arrays: dict[str, np.ndarray]) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with naming(path), os.fdopen(fd, "wb") as handle:
             np.savez(handle, **arrays)
         os.replace(tmp, path)
     except BaseException:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -11,9 +10,11 @@ import numpy as np
 import torch
 
 from artifact.errors import ConfigError
+from artifact.jsonfile import read_json
 from models.encoder_decoder import EncoderDecoderConfig
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig, ProbedBlockConfig
+from models.presets_limits import check_footprint, check_sizes
 from models.registry import build_model, get_family
 from models.worked_example import build_worked_example, worked_example_config, worked_example_inputs
 
@@ -33,6 +34,7 @@ class Preset:
 
 
 WORKED_EXAMPLE = "worked-example"
+MAX_CONFIG_BYTES = 1 << 20  # a config file is one object of a few dozen fields
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -141,16 +143,9 @@ def get_preset(name: str) -> Preset:
 def load_config_file(path: str | Path) -> Preset:
     """Read {"family": ..., "seed": ..., "config": {...}} into an unnamed preset."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file ({exc.strerror})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    except RecursionError:  # json's decoder recurses per nesting level; a hostile file can nest past the limit
-        raise ConfigError(f"{path}: invalid JSON: nested too deeply; a config is one object of fields") from None
+    data = read_json(
+        path, error=ConfigError, what="config file", max_bytes=MAX_CONFIG_BYTES, advice="fix the config file"
+    )
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object with 'family' and 'config', got {type(data).__name__}")
     unknown = set(data) - {"family", "seed", "config"}
@@ -162,10 +157,13 @@ def load_config_file(path: str | Path) -> Preset:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"{path}: 'seed' expected a non-negative integer, got {seed!r}")
     family = get_family(data["family"])
+    if isinstance(data["config"], dict):
+        check_sizes(data["config"], f"{path}: config", ConfigError)
     try:
         config = family.config_from_dict(data["config"])
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except TypeError as exc:  # dataclass constructor complaints, e.g. a missing required field
         raise ConfigError(f"{path}: {exc}") from None
+    check_footprint(family.name, config, path, ConfigError)
     return Preset(name=path.stem, family=family.name, description=f"from {path}", config=config, seed=seed)

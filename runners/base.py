@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from artifact.errors import InputError, ModelFileError
-from artifact.format import present_name, tensor_specs
+from artifact.format import TensorSpec, present_name, tensor_specs
 from runners.decoding.cache import KVCache
 
 
@@ -64,6 +64,28 @@ class Runner:
         return outputs["logits"]
 
 
+def check_kind(spec, array) -> None:
+    """One input's type, dtype and rank: what anything deriving other inputs from it (an implied empty KV
+    cache and positions) relies on, checked before it does."""
+    spec = TensorSpec.of(spec)
+    name = spec.name
+    if not isinstance(array, np.ndarray):
+        raise InputError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
+    try:
+        want_dtype = np.dtype(spec.dtype)
+    except TypeError:
+        raise ModelFileError(
+            f"input {name!r}: the model declares dtype {spec.dtype!r}, which numpy does not know; re-export the model"
+        ) from None
+    if array.dtype != want_dtype:
+        raise InputError(f"input {name!r}: expected dtype {spec.dtype}, got {array.dtype}; cast it first")
+    if array.ndim != len(spec.shape):
+        raise InputError(
+            f"input {name!r}: expected rank {len(spec.shape)} {_fmt(spec.shape)}, got rank {array.ndim} "
+            f"{tuple(array.shape)}"
+        )
+
+
 def check_feed(specs, inputs: dict, config=None, trusted=()) -> dict[str, np.ndarray]:
     """Validate names, dtypes, ranks, fixed and symbolic dims, sizes and values of a feed.
 
@@ -85,22 +107,8 @@ def check_feed(specs, inputs: dict, config=None, trusted=()) -> dict[str, np.nda
     feed = {}
     for spec in specs:
         name, array = spec.name, inputs[spec.name]
-        if not isinstance(array, np.ndarray):
-            raise InputError(f"input {name!r}: expected a numpy array, got {type(array).__name__}")
-        try:
-            want_dtype = np.dtype(spec.dtype)
-        except TypeError:
-            raise ModelFileError(
-                f"input {name!r}: the model declares dtype {spec.dtype!r}, which numpy does not "
-                "know; re-export the model"
-            ) from None
-        if array.dtype != want_dtype:
-            raise InputError(f"input {name!r}: expected dtype {spec.dtype}, got {array.dtype}; cast it first")
+        check_kind(spec, array)
         shape = spec.shape
-        if array.ndim != len(shape):
-            raise InputError(
-                f"input {name!r}: expected rank {len(shape)} {_fmt(shape)}, got rank {array.ndim} {tuple(array.shape)}"
-            )
         for axis, (want, got) in enumerate(zip(shape, array.shape, strict=False)):
             if got < 1 and want != "past_sequence":  # only the cache may be empty (a prefill)
                 raise InputError(f"input {name!r}: axis {axis} ({want}) is empty; every axis needs at least 1 element")

@@ -15,8 +15,19 @@ from toolkit import __version__
 # Exit statuses (README "Exit statuses"): a verdict is 0 or 1 and nothing else may read as one.
 EXIT_PASS, EXIT_DIVERGED, EXIT_USER_ERROR, EXIT_INTERNAL_ERROR = 0, 1, 2, 3
 DEBUG_ENV = "TOOLKIT_DEBUG"
-# Errors of the file system a user can act on (a full disk, a read-only or forbidden directory).
-_USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG}
+# Errors of the file system a user can act on (a full disk, a read-only or forbidden directory, a file where a
+# directory belongs), and what to do about each.
+_WRITABLE = "free space or choose a writable location"
+_USER_ERRNOS = {
+    **dict.fromkeys(
+        (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.ENAMETOOLONG),
+        _WRITABLE,
+    ),
+    **dict.fromkeys(
+        (errno.ENOTDIR, errno.EISDIR, errno.EEXIST),
+        "a path names a file where a directory belongs, or the reverse; choose another location",
+    ),
+}
 
 
 class UserError(click.ClickException):
@@ -37,12 +48,16 @@ class ToolkitGroup(click.Group):
             return super().invoke(ctx)
         except ToolkitError as exc:
             raise UserError(str(exc)) from None
+        except click.exceptions.UsageError as exc:
+            # click prints usage, a hint and the error on three lines; every failure here is one line.
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            raise UserError(f"{exc.format_message()} (see `{where} --help`)") from None
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except OSError as exc:
             if exc.errno in _USER_ERRNOS:
                 where = f"{exc.filename}: " if exc.filename else ""
-                raise UserError(f"{where}{exc.strerror or exc}; free space or choose a writable location") from None
+                raise UserError(f"{where}{exc.strerror or exc}; {_USER_ERRNOS[exc.errno]}") from None
             raise _internal(ctx, exc) from None
         except Exception as exc:  # the last resort: see InternalError
             raise _internal(ctx, exc) from None

@@ -6,18 +6,19 @@ Every key of config.json is implemented, known not to change the computation, or
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from artifact.errors import ConfigError, ModelFileError
 from models.checkpoints.config_keys import KeyPolicy, Only, refusal
+from models.checkpoints.hf_config import read_hf_config
 from models.checkpoints.hf_decoders import ARCHITECTURES, decoder_config, decoder_key_policy, decoder_names
 from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
 from models.checkpoints.safetensors_reader import read_safetensors
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
+from models.presets_limits import check_footprint
 from models.tokenizer import TextTokenizer
 
 HF_ARCHITECTURES = (*(f"{t} ({cls})" for t, cls in ARCHITECTURES.items()), "gpt2 (GPT2LMHeadModel)")
@@ -161,15 +162,24 @@ GPT2_KEYS = KeyPolicy(
 
 
 def import_huggingface(directory: Path, *, keep_dtype: bool = False) -> ImportedCheckpoint:
+    family, config, model_type, expected = hf_model_config(directory)
+    stored = {}
+    tensors = read_safetensors(directory, stored, keep_dtype=keep_dtype)
+    state = expected(config, tensors, directory)
+    model = load_model(family, config, state, directory, assign=True)  # the tensors read are ours
+    source = {"format": "huggingface", "path": str(directory), "architecture": model_type}
+    if stored:  # the dtype most of the weights are stored in: what `toolkit export` keeps by default
+        source["dtype"] = max(stored, key=stored.get)
+    return ImportedCheckpoint(family, config, model, TextTokenizer.from_hf_dir(directory), source)
+
+
+def hf_model_config(directory: Path):
+    """(family, our config, model_type, the tensor-name mapping) from a directory's config.json alone: typed,
+    every key implemented, inert or refused, the size the weights will take checked; no tensor is read."""
     config_path = directory / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise ModelFileError(f"{directory}: missing config.json; is this a Hugging Face model directory?")
-    try:
-        hf = json.loads(config_path.read_text())
-    except (ValueError, RecursionError) as exc:
-        raise ModelFileError(f"{config_path}: invalid JSON ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ModelFileError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
+    hf = read_hf_config(config_path)
     model_type = hf.get("model_type")
     if model_type in ARCHITECTURES:
         config = decoder_config(hf, config_path, model_type, _tie(hf, False, config_path, model_type))
@@ -182,17 +192,11 @@ def import_huggingface(directory: Path, *, keep_dtype: bool = False) -> Imported
         family, config, expected, keys = "gpt", _gpt2_config(hf, config_path), _gpt2_names, GPT2_KEYS
     else:
         raise ModelFileError(
-            f"{config_path}: model_type {model_type!r} is not supported; supported: {', '.join(HF_ARCHITECTURES)}"
+            f"{config_path}: model_type {model_type!r:.60} is not supported; supported: {', '.join(HF_ARCHITECTURES)}"
         )
     keys.check(hf, config, config_path)
-    stored = {}
-    tensors = read_safetensors(directory, stored, keep_dtype=keep_dtype)
-    state = expected(config, tensors, directory)
-    model = load_model(family, config, state, directory, assign=True)  # the tensors read are ours
-    source = {"format": "huggingface", "path": str(directory), "architecture": model_type}
-    if stored:  # the dtype most of the weights are stored in: what `toolkit export` keeps by default
-        source["dtype"] = max(stored, key=stored.get)
-    return ImportedCheckpoint(family, config, model, TextTokenizer.from_hf_dir(directory), source)
+    check_footprint(family, config, config_path, ModelFileError)  # before a module is built for it
+    return family, config, model_type, expected
 
 
 def _get(hf: dict, key: str, where: Path, default=None, required=True):

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from artifact.errors import ModelFileError
+from artifact.jsonfile import read_json
 
 # safetensors dtypes read here (bytes per element); others (F8, complex, ...) are refused by name.
 SAFETENSORS_DTYPES = {
@@ -33,6 +34,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": 1,
 }
 SAFETENSORS_MAX_HEADER = 100_000_000  # the safetensors library's own header-size limit
+MAX_INDEX_BYTES = 1 << 26  # a shard index lists every tensor name once: megabytes for the largest models
 
 
 TORCH_DTYPES = {
@@ -118,11 +120,9 @@ def _read_tensor(handle, data_start: int, info: dict) -> torch.Tensor:
 def safetensors_files(directory: Path) -> list[Path]:
     """The shards model.safetensors.index.json lists (each must exist), else every *.safetensors file."""
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise ModelFileError(f"{index}: invalid shard index ({type(exc).__name__}: {exc})") from None
+    if index.exists():
+        data = read_json(index, what="shard index", max_bytes=MAX_INDEX_BYTES)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
             raise ModelFileError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = sorted({directory / Path(name).name for name in weight_map.values()})
@@ -133,6 +133,10 @@ def safetensors_files(directory: Path) -> list[Path]:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelFileError(f"{directory}: no *.safetensors files; only safetensors checkpoints are read")
+    for file in files:
+        # A FIFO would block the first read forever and a device never end: only plain files are read.
+        if not file.is_file():
+            raise ModelFileError(f"{file}: not a regular file; a safetensors shard must be a plain file")
     return files
 
 

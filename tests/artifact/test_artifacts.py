@@ -125,13 +125,13 @@ def test_garbage_model_bytes_are_a_model_file_error(tmp_path):
 @pytest.mark.parametrize("text", ["{", "", "not json", '{"format": "onnx-toolkit-artifact",}'])
 def test_invalid_json_manifest(artifact_dir, text):
     (artifact_dir / MANIFEST_FILE).write_text(text)
-    with pytest.raises(ModelFileError, match="not valid JSON"):
+    with pytest.raises(ModelFileError, match="invalid JSON"):
         open_artifact(artifact_dir)
 
 
 def test_non_utf8_manifest(artifact_dir):
     (artifact_dir / MANIFEST_FILE).write_bytes(b"\xff\xfe\xfa{}")
-    with pytest.raises(ModelFileError, match="not valid JSON"):
+    with pytest.raises(ModelFileError, match="invalid JSON"):
         open_artifact(artifact_dir)
 
 
@@ -194,7 +194,7 @@ def test_lone_onnx_with_corrupt_embedded_manifest(tmp_path, exported):
             prop.value = "{broken"
     path = tmp_path / "broken.onnx"
     onnx.save(proto, str(path))
-    with pytest.raises(ModelFileError, match="not valid JSON"):
+    with pytest.raises(ModelFileError, match="invalid JSON"):
         open_artifact(path)
 
 

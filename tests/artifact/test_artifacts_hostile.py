@@ -389,7 +389,7 @@ def test_malformed_manifest_fields_are_model_file_errors(artifact_dir, case):
 
 def test_deeply_nested_manifest_is_not_a_recursion_crash(artifact_dir):
     (artifact_dir / MANIFEST_FILE).write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(ModelFileError, match=r"not valid JSON \(nested too deeply\)"):
+    with pytest.raises(ModelFileError, match=r"invalid JSON \(nested 100,000 levels deep, above the 64 allowed\)"):
         open_artifact(artifact_dir)
 
 

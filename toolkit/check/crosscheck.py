@@ -15,6 +15,7 @@ from exporters.quantize import INT8_ACTIVATIONS_LEVEL
 from models.artifacts import artifact_config
 from models.presets import PRESETS
 from models.registry import get_family, has_cache, lm_defaults
+from runners.base import check_kind
 from runners.compare import Comparison, ToleranceConfig, compare
 from runners.decoding.generate import CachedLM
 from runners.eager import model_from_artifact
@@ -179,6 +180,7 @@ def graph_feed(graph, inputs: dict, produced: dict) -> dict:
         elif spec.name in produced:
             feed[spec.name] = np.asarray(produced[spec.name]).astype(spec.dtype)
     if "input_ids" in feed and not any(name.startswith("past.") for name in inputs):
+        check_kind(next(s for s in graph.input_specs if s.name == "input_ids"), feed["input_ids"])
         implied = lm_defaults(graph.input_specs, feed["input_ids"])
         feed.update({name: value for name, value in implied.items() if name not in inputs})
     return feed

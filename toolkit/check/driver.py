@@ -12,12 +12,13 @@ import numpy as np
 
 from artifact import Artifact
 from artifact.errors import BackendUnavailableError, ConfigError
+from artifact.jsonfile import read_toml_or_json
 from artifact.write import write_text_atomically
 from exporters.lowerings import unsupported_backends
 from exporters.onnx_export import export_model
 from models.artifacts import artifact_config, open_artifact
 from models.presets import get_preset
-from runners.compare import load_tolerances
+from runners.compare import ToleranceConfig, load_tolerances
 from runners.registry import DEFAULT_BACKENDS, artifact_dtype, dtype_unsupported
 from toolkit.check.crosscheck import CheckReport, EagerModels, cross_check
 from toolkit.check.golden import Golden, check_inputs_fit, compare_with_golden, load_golden, save_golden
@@ -59,7 +60,7 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
     (an export, a default backend skipped) as they happen. Every usage error is raised before the check runs."""
     if request.artifact_dir and request.preset:
         raise ConfigError("give either ARTIFACT_DIR or --preset, not both")
-    tolerances = load_tolerances(request.tolerances_file) if request.tolerances_file else None
+    tolerances = read_tolerances(request.tolerances_file) if request.tolerances_file else None
     golden = requested_golden(request)
     if request.html:
         pyplot("--html")  # a missing matplotlib fails now, not after the check
@@ -115,6 +116,16 @@ def run_check(request: CheckRequest, notify: Callable[[str], None] = print) -> C
         if request.save_golden_dir:
             save_golden(report, artifact, request.save_golden_dir)
     return report
+
+
+MAX_TOLERANCE_BYTES = 1 << 20  # a tolerance file is a few tables
+
+
+def read_tolerances(path: str) -> ToleranceConfig:
+    """The tolerance file, through the bounded reader (a regular file of at most MAX_TOLERANCE_BYTES, UTF-8,
+    nesting and numbers bounded) and then the typed parse of runners.compare (every key and value checked)."""
+    read_toml_or_json(path, error=ConfigError, what="tolerance file", max_bytes=MAX_TOLERANCE_BYTES)
+    return load_tolerances(path)
 
 
 def requested_golden(request: CheckRequest) -> Golden | None:

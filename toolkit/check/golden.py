@@ -26,14 +26,19 @@ import io
 import json
 import os
 import platform
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
 from artifact import sha256_bytes, sha256_file, write_artifact
 from artifact.errors import InputError, ModelFileError
+from artifact.jsonfile import read_json
+from artifact.npz import read_npz
+from artifact.read import max_model_bytes
+from artifact.typed import Strict, parse_typed
 from artifact.write import write_staged
 from models.artifacts import artifact_config
 from runners.base import check_feed
@@ -49,6 +54,35 @@ ORIGINAL_GROUPS = {"transformers": "oracle.transformers", "llama.cpp": "oracle.l
 
 class GoldenError(ModelFileError):
     """A golden directory is missing, corrupt, modified or does not fit the artifact."""
+
+
+RECREATE = "re-create it with --save-golden"
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ArrayEntry(Strict):
+    dtype: str
+    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=16)]
+    sha256: Digest
+
+
+class GroupEntry(Strict):
+    file: str
+    sha256: Digest
+    arrays: dict[str, ArrayEntry] = {}
+
+
+class GoldenIndex(Strict):
+    """golden.json, typed: what load_golden and the comparisons read."""
+
+    format: str
+    format_version: int
+    stages: list[str]
+    groups: dict[str, GroupEntry]
+    versions: dict[str, Any]
+    artifact: dict[str, Any]
+    created: str | None = None
+    oracle: dict[str, Any] | None = None
 
 
 @dataclass
@@ -197,10 +231,7 @@ def load_golden(directory: str | os.PathLike) -> Golden:
             f"--golden {directory}: missing {INDEX_FILE}; not a golden directory (create one with "
             "`toolkit check --save-golden DIR`)"
         )
-    try:
-        index = json.loads(index_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise GoldenError(f"{index_path}: not valid JSON ({exc}); re-create it with --save-golden") from None
+    index = read_json(index_path, error=GoldenError, what="golden index", advice=RECREATE)
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise GoldenError(f"{index_path}: not a golden index (expected format {FORMAT!r})")
     if index.get("format_version") != FORMAT_VERSION:
@@ -214,28 +245,32 @@ def load_golden(directory: str | os.PathLike) -> Golden:
     groups = index["groups"]
     if not isinstance(groups, dict) or "inputs" not in groups or "reference" not in groups:
         raise GoldenError(f"{index_path}: 'groups' must list 'inputs' and 'reference'; re-create it with --save-golden")
-    loaded = {}
     for group, entry in groups.items():
         file = entry.get("file") if isinstance(entry, dict) else None
         if not isinstance(file, str) or Path(file).name != file:
-            raise GoldenError(f"{index_path}: group {group!r} must name a plain file, got {file!r}")
-        path = directory / file
+            raise GoldenError(f"{index_path}: group {group!r} must name a plain file, got {file!r:.80}")
+    typed = parse_typed(GoldenIndex, index, index_path, GoldenError, RECREATE)
+    loaded = {}
+    for group, entry in typed.groups.items():
+        path = directory / entry.file
         if not path.is_file():
             raise GoldenError(f"{path}: missing; the golden directory is incomplete, re-create it with --save-golden")
         actual = sha256_file(path)
-        if actual != entry.get("sha256"):
+        if actual != entry.sha256:
             raise GoldenError(
                 f"{path}: sha256 {actual[:12]}… does not match the index's "
-                f"{str(entry.get('sha256'))[:12]}…; the golden file was modified or corrupted"
+                f"{entry.sha256[:12]}…; the golden file was modified or corrupted"
             )
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {name: data[name] for name in data.files}
-        except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
-            raise GoldenError(f"{path}: not a readable .npz ({exc}); re-create it with --save-golden") from None
-        expected = entry.get("arrays") or {}
-        if sorted(arrays) != sorted(expected):
-            raise GoldenError(f"{path}: holds arrays {sorted(arrays)} but the index lists {sorted(expected)}")
+        # Each member's header must declare what the index lists before its data is inflated: the file hash
+        # above is of the compressed bytes, which a hostile index simply records.
+        arrays = read_npz(
+            path,
+            limit=max_model_bytes(),
+            error=GoldenError,
+            advice=RECREATE,
+            expected={name: (a.dtype, tuple(a.shape)) for name, a in entry.arrays.items()},
+        )
+        expected = index["groups"][group].get("arrays") or {}
         for name, array in arrays.items():
             if _array_entry(array) != expected[name]:
                 raise GoldenError(

@@ -8,7 +8,7 @@ from runners.registry import DEFAULT_BACKENDS, check_backend
 from toolkit.check.driver import CheckRequest, run_check, write_reports
 from toolkit.check.oracle import ORACLES
 from toolkit.check.reports import placement_lines, text_table
-from toolkit.commands.common import load_npz, split_backends
+from toolkit.commands.common import SEED_MAX, load_npz, split_backends
 
 
 @click.command("check")
@@ -22,7 +22,9 @@ from toolkit.commands.common import load_npz, split_backends
 @click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), help=".npz feed (default: preset/random).")
 @click.option("--batch", type=int, help="Batch size of the random feed.")
 @click.option("--seq-len", type=int, help="Sequence length of the random feed.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
+@click.option(
+    "--seed", type=click.IntRange(min=0, max=SEED_MAX), default=0, show_default=True, help="Seed of the random feed."
+)
 @click.option(
     "--decode-steps",
     type=click.IntRange(min=0),

@@ -8,6 +8,7 @@ from models.artifacts import artifact_config, open_artifact
 from models.tokenizer import load_tokenizer
 from runners.decoding.generate import CachedLM, Sampling, generate
 from runners.registry import create_runner
+from toolkit.commands.common import SEED_MAX
 from toolkit.serve.streaming import TextStream
 
 
@@ -19,14 +20,14 @@ from toolkit.serve.streaming import TextStream
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0, max=SEED_MAX), default=0, show_default=True)
 @click.option("--backend", default="ort-cpu", show_default=True, help="eager, ort-cpu, onnx-reference, ...")
 def command(artifact_dir, prompt, chat, max_new_tokens, temperature, top_k, top_p, seed, backend):
     """Generate text from ARTIFACT_DIR (an export made with --from), streaming it to stdout."""
     artifact = open_artifact(artifact_dir)
     tokenizer = load_tokenizer(artifact, artifact_dir)
-    prompt_text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-    prompt_ids = tokenizer.encode(prompt_text)
+    # The prompt is text either way: a "</s>" in it is its characters, only the template's markup is control tokens.
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     lm = CachedLM(create_runner(backend, artifact), artifact_config(artifact).max_positions)
     text = TextStream(tokenizer.decode)  # whole characters as they complete; flush() gives what is held back
 

@@ -8,7 +8,7 @@ import numpy as np
 from models.artifacts import open_artifact
 from runners.registry import create_runner
 from toolkit.check.crosscheck import default_inputs, graph_feed
-from toolkit.commands.common import load_npz, save_npz_atomically
+from toolkit.commands.common import SEED_MAX, load_npz, save_npz_atomically
 
 
 @click.command("run")
@@ -16,7 +16,9 @@ from toolkit.commands.common import load_npz, save_npz_atomically
 @click.option("--backend", required=True, help="Backend name, e.g. ort-cpu (see `toolkit check --help`).")
 @click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), help=".npz feed (default: preset/random).")
 @click.option("--save", "save_file", type=click.Path(dir_okay=False), help="Write every output to this .npz.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random feed.")
+@click.option(
+    "--seed", type=click.IntRange(min=0, max=SEED_MAX), default=0, show_default=True, help="Seed of the random feed."
+)
 def command(artifact_dir, backend, inputs_file, save_file, seed):
     """Run ARTIFACT_DIR on one backend; graphs run in order, each fed by the ones before it."""
     artifact = open_artifact(artifact_dir)

@@ -92,7 +92,7 @@ def test_missing_directory_is_one_clear_line(tmp_path):
 def test_corrupt_index(saved, tmp_path):
     copy = _copy(saved[1], tmp_path)
     (copy / "golden.json").write_text("{not json")
-    with pytest.raises(GoldenError, match=r"golden.json: not valid JSON"):
+    with pytest.raises(GoldenError, match=r"golden.json: invalid JSON"):
         load_golden(copy)
 
 

@@ -313,18 +313,12 @@ def test_not_an_artifact_and_output_problems(source, quantized, tmp_path):
     )
 
 
-def test_non_language_model_refused(source, tmp_path):
-    # The same files with the token input renamed, as a hidden-states block artifact declares it
-    # (the manifest is not hashed, the graph files are).
-    import shutil
-
-    fake = tmp_path / "block"
-    shutil.copytree(source.directory, fake)
-    manifest = json.loads((fake / "manifest.json").read_text())
-    manifest["graphs"][0]["inputs"][0]["name"] = "hidden_states"
-    (fake / "manifest.json").write_text(json.dumps(manifest))
+def test_non_language_model_refused(tmp_path):
+    # A decoder-block artifact: one graph, but hidden states in, not token ids.
+    config = get_family("block").config_cls()
+    export_model(build_model("block", config, seed=0), "block", config, tmp_path / "block")
     with pytest.raises(ModelFileError, match="decoder-only language models"):
-        quantize_artifact(fake, tmp_path / "q", bits=4)
+        quantize_artifact(tmp_path / "block", tmp_path / "q", bits=4)
 
 
 def test_interrupted_quantization_leaves_previous_artifact_intact(source, quantized, tmp_path, monkeypatch):
