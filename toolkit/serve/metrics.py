@@ -20,6 +20,14 @@ class Metrics:
         self.token_latency = Histogram(
             "toolkit_token_latency_seconds", "decode step time per token", registry=self.registry
         )
+        self.cancelled = Counter(
+            "toolkit_requests_cancelled",
+            "requests ended before their answer was complete, by why: disconnect, timeout, shutdown",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("disconnect", "timeout", "shutdown"):
+            self.cancelled.labels(reason)
         self.tokens = Counter("toolkit_tokens_generated", "tokens generated", registry=self.registry)
 
     def count(self, endpoint: str, status: int) -> None:

@@ -39,6 +39,7 @@ class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()):
         self.decode = decode
         self.stops = tuple(stops)
+        self.longest = max((len(s) for s in self.stops), default=0)
         self.tokens: list[int] = []
         self.text = ""  # everything handed out so far
         self.stopped = False  # a stop string appeared; push no more tokens
@@ -47,13 +48,17 @@ class TextStream:
         """The text `token` settles, possibly ""; once a stop string appears, the text up to it."""
         self.tokens.append(token)
         full = self.decode(self.tokens)
-        cut = find_stop(full, self.stops)
+        settled = full.startswith(self.text)
+        # The handed-out text holds no stop string, so only its last longest-1 characters can begin one:
+        # each token searches a window of about the longest stop, not the whole answer.
+        start = max(0, len(self.text) - self.longest + 1) if settled else 0
+        cut = find_stop(full[start:], self.stops)
         if cut >= 0:
             self.stopped = True
-            return self._advance(full, cut)
-        if full.endswith(REPLACEMENT) or not full.startswith(self.text):
+            return self._advance(full, start + cut)
+        if full.endswith(REPLACEMENT) or not settled:
             return ""
-        return self._advance(full, len(full) - stop_prefix_length(full, self.stops))
+        return self._advance(full, len(full) - stop_prefix_length(full[-self.longest :], self.stops))
 
     def flush(self) -> str:
         """The rest of the text once no more tokens come, held-back characters included."""
