@@ -251,29 +251,55 @@ def quantized_spec(node) -> dict:
 
 
 def dequantize_weight(initializers: dict, spec: dict) -> np.ndarray:
-    """The float32 [K, N] matrix a MatMulNBits B stands for: w = (q - zero_point) * scale, per K-block.
+    """The float32 [K, N] matrix the MatMulNBits weight described by `spec` stands for (see `dequantize_nbits`);
+    `initializers` maps names to TensorProtos or arrays."""
+    from onnx import numpy_helper
+
+    def array(name):  # TensorProtos, or arrays already read from external data
+        value = initializers[name]
+        return value if isinstance(value, np.ndarray) else numpy_helper.to_array(value)
+
+    zero_points = spec.get("zero_points")
+    return dequantize_nbits(
+        array(spec["weight"]),
+        array(spec["scales"]),
+        None if zero_points is None else array(zero_points),
+        bits=spec["bits"],
+        block_size=spec["block_size"],
+        k=spec["K"],
+        n=spec["N"],
+    ).astype(np.float32, copy=False)
+
+
+def dequantize_nbits(
+    packed: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    *,
+    bits: int,
+    block_size: int,
+    k: int,
+    n: int,
+) -> np.ndarray:
+    """The [K, N] matrix a MatMulNBits B stands for: w = (q - zero_point) * scale, per K-block, in the
+    scales' float dtype (at least float32).
 
     Layout (com.microsoft MatMulNBits): B [N, blocks, block_size * bits / 8] uint8, values in K order,
     4-bit values two per byte low nibble first; scales [N, blocks]; zero points uint8 packed the same way,
     or float [N, blocks] (HQQ), default 2^(bits-1) when absent.
     """
-    from onnx import numpy_helper
-
-    bits, block, k, n = spec["bits"], spec["block_size"], spec["K"], spec["N"]
-    blocks = -(-k // block)
-    packed = numpy_helper.to_array(initializers[spec["weight"]]).reshape(n, blocks, -1)
-    values = _unpack(packed, bits).reshape(n, blocks, block).astype(np.float32)
-    scales = numpy_helper.to_array(initializers[spec["scales"]]).reshape(n, blocks).astype(np.float32)
-    if "zero_points" in spec:
-        zp_raw = numpy_helper.to_array(initializers[spec["zero_points"]]).reshape(n, -1)
-        if zp_raw.dtype == np.uint8:
-            zero = _unpack(zp_raw, bits)[:, :blocks].astype(np.float32)
-        else:  # float zero points (HQQ): one per block, not packed
-            zero = zp_raw[:, :blocks].astype(np.float32)
-    else:
-        zero = np.full((n, blocks), 2 ** (bits - 1), dtype=np.float32)
-    weight = (values - zero[..., None]) * scales[..., None]  # (N, blocks, block)
-    return np.ascontiguousarray(weight.reshape(n, blocks * block)[:, :k].T)  # (K, N)
+    blocks = -(-k // block_size)
+    dtype = np.promote_types(scales.dtype, np.float32)
+    values = _unpack(packed.reshape(n, blocks, -1), bits).reshape(n, blocks, block_size).astype(dtype)
+    scale = scales.reshape(n, blocks).astype(dtype)
+    if zero_points is None:
+        zero = np.full((n, blocks), 2 ** (bits - 1), dtype=dtype)
+    elif zero_points.dtype == np.uint8:
+        zero = _unpack(zero_points.reshape(n, -1), bits)[:, :blocks].astype(dtype)
+    else:  # float zero points (HQQ): one per block, not packed
+        zero = zero_points.reshape(n, -1)[:, :blocks].astype(dtype)
+    weight = (values - zero[..., None]) * scale[..., None]  # (N, blocks, block)
+    return np.ascontiguousarray(weight.reshape(n, blocks * block_size)[:, :k].T)  # (K, N)
 
 
 def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:

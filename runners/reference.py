@@ -6,6 +6,7 @@ from onnx.reference import ReferenceEvaluator
 
 from artifact.errors import ModelFileError
 from runners.base import Runner
+from runners.contrib_ops import CONTRIB_OPS
 
 
 class ReferenceRunner(Runner):
@@ -14,9 +15,10 @@ class ReferenceRunner(Runner):
 
     def __init__(self, model_proto, input_specs, output_names, config=None):
         super().__init__(input_specs, output_names, config)
-        # The model's local functions (the custom ops' bodies) are evaluated from the proto itself.
+        # The model's local functions (the custom ops' bodies) are evaluated from the proto itself; the
+        # com.microsoft operators a quantized artifact holds come from CONTRIB_OPS.
         try:
-            self.evaluator = ReferenceEvaluator(model_proto)
+            self.evaluator = ReferenceEvaluator(model_proto, new_ops=CONTRIB_OPS)
         except Exception as exc:  # the evaluator raises NotImplementedError, ValueError, ... on bad graphs
             raise ModelFileError(f"onnx.reference could not load the model: {type(exc).__name__}: {exc}") from None
 

@@ -39,7 +39,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from artifact import GraphArtifact, load_onnx
 from artifact.errors import BackendUnavailableError, ComparisonError
+from exporters.quantize import dequantize_nbits
 from models.artifacts import artifact_config
+from runners.contrib_ops import CONTRIB_OPS
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 ulp at 1.0, twice the unit roundoff
 
@@ -228,14 +230,15 @@ def with_all_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProt
 # --------------------------------------------------------------------------- tolerances
 
 
-def node_scale(op_type: str, inputs: list, output: np.ndarray) -> tuple[float, int]:
+def node_scale(op_type: str, inputs: list, output: np.ndarray, attributes: dict | None = None) -> tuple[float, int]:
     """(magnitude, rounding steps) of a node: its float32 error bound is steps * EPS32 * magnitude.
 
     Elementwise correctly rounded ops: one rounding of the result, steps 1, magnitude max|out|
     (EPS32 is twice the unit roundoff u, a 2x margin). Transcendentals: library accuracy of a few ulps.
     Contractions over K terms: Higham's bound |fl(sum) - sum| <= gamma_K sum|a_i b_i|, gamma_K ~ K u, so
     steps K + 1 and magnitude max(|A| @ |B|) for a MatMul, K * max|x| for a sum, max|x| for a mean;
-    a softmax adds the exp's few ulps and the division. Data movement: 0, any difference is a fault.
+    a softmax adds the exp's few ulps and the division. MatMulNBits (`attributes` gives its layout) is a
+    MatMul by its dequantized weight. Data movement: 0, any difference is a fault.
     """
     out_max = _finite_max(output)
     floats = [
@@ -250,6 +253,19 @@ def node_scale(op_type: str, inputs: list, output: np.ndarray) -> tuple[float, i
     if op_type == "MatMul" and len(floats) >= 2:
         a, b = np.abs(floats[0]), np.abs(floats[1])
         return (float(np.max(np.matmul(a, b))) if a.size and b.size else 0.0), a.shape[-1] + 1
+    if op_type == "MatMulNBits" and attributes and len(inputs) >= 3 and inputs[0] is not None:
+        zero_points = inputs[3] if len(inputs) > 3 and inputs[3] is not None and np.size(inputs[3]) else None
+        weight = dequantize_nbits(
+            np.asarray(inputs[1]),
+            np.asarray(inputs[2]),
+            None if zero_points is None else np.asarray(zero_points),
+            bits=attributes["bits"],
+            block_size=attributes["block_size"],
+            k=attributes["K"],
+            n=attributes["N"],
+        )
+        a = np.abs(np.asarray(inputs[0], dtype=np.float64))
+        return (float(np.max(a @ np.abs(weight))) if a.size else 0.0), attributes["K"] + 1
     if op_type in CONTRACTING_OPS and floats:
         x = floats[0]
         k = max(int(x.size // max(np.size(output), 1)), 1) if op_type.startswith("Reduce") else x.shape[-1]
@@ -260,6 +276,10 @@ def node_scale(op_type: str, inputs: list, output: np.ndarray) -> tuple[float, i
         return max(out_max, k * _finite_max(x)), k + 1
     # Transcendentals and anything unlisted: a few ulps of the larger of output and inputs.
     return max([out_max] + [_finite_max(x) for x in floats]), TRANSCENDENTAL_ULPS
+
+
+def attributes_of(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _finite_max(array) -> float:
@@ -290,7 +310,7 @@ def run_backend_all(backend: str, model: onnx.ModelProto, feed: dict) -> dict[st
     if backend == "onnx-reference":
         from onnx.reference import ReferenceEvaluator
 
-        return dict(zip(names, ReferenceEvaluator(model).run(None, feed), strict=True))
+        return dict(zip(names, ReferenceEvaluator(model, new_ops=CONTRIB_OPS).run(None, feed), strict=True))
     if backend.startswith("ort-"):
         import onnxruntime
 
@@ -313,7 +333,7 @@ def evaluate_node64(node: onnx.NodeProto, opsets: dict[str, int], inputs: dict[s
     for attr in node64.attribute:
         if node64.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
             attr.i = TensorProto.DOUBLE
-    return ReferenceEvaluator(node64, opsets=opsets).run(None, widened(inputs))
+    return ReferenceEvaluator(node64, opsets=opsets, new_ops=CONTRIB_OPS).run(None, widened(inputs))
 
 
 def widened(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -463,8 +483,12 @@ def cone_order(nodes: list[onnx.NodeProto], stage: str) -> list[int]:
 
 
 def data_dependent(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], order: list[int]) -> set[str]:
-    """The float graph inputs and every value computed from them (not only from shapes and constants)."""
-    data = _float_input_names(graph)
+    """The graph inputs and every value computed from them (not only from shapes and constants).
+
+    Integer inputs count: a language model's hidden states are gathered from its weights by `input_ids`,
+    and everything up to the KV cache is computed from them (only float values are judged)."""
+    initializers = {i.name for i in graph.initializer}
+    data = {i.name for i in graph.input if i.name not in initializers}
     for i in order:
         node = nodes[i]
         # Shape reads only the shape, CastLike's second input only its dtype.
@@ -480,7 +504,7 @@ def float64_values(cone: StageCone) -> dict[str, np.ndarray]:
 
     names = cone.value_names
     model64 = with_all_outputs(to_float64(cone.model), names)
-    return dict(zip(names, ReferenceEvaluator(model64).run(None, widened(cone.feed)), strict=True))
+    return dict(zip(names, ReferenceEvaluator(model64, new_ops=CONTRIB_OPS).run(None, widened(cone.feed)), strict=True))
 
 
 # --------------------------------------------------------------------------- question 1: runtime faults
@@ -510,7 +534,7 @@ def backend_node_fault(cone: StageCone, i: int, outputs: list[str], backend_valu
         if name not in outputs:
             continue
         got = backend_values[name]
-        magnitude, steps = node_scale(node.op_type, [ins.get(x) for x in node.input], want)
+        magnitude, steps = node_scale(node.op_type, [ins.get(x) for x in node.input], want, attributes_of(node))
         allowed = steps * EPS32 * magnitude
         error = differ(got, want)
         if not error <= allowed:
@@ -549,7 +573,9 @@ def eager_matches(cone: StageCone, values64: dict, captured: dict[tuple, list[np
         if not outs:
             continue
         value = values64[outs[0]]
-        magnitude, _ = node_scale(node.op_type, [cone.value(x, values64) for x in node.input], value)
+        magnitude, _ = node_scale(
+            node.op_type, [cone.value(x, values64) for x in node.input], value, attributes_of(node)
+        )
         # The float64 graph and float64 eager differ only where the graph holds float32-rounded constants
         # (e.g. a scale or an epsilon): to first order each of the depth operations on the path can carry one
         # such relative rounding, so (depth + 1) float32 ulps of the node's magnitude.

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import toolkit.check.localize as localize
 from artifact import MANIFEST_FILE, MODEL_FILE, sha256_file
 from models.artifacts import open_artifact
-from toolkit.check.crosscheck import default_inputs
+from toolkit.check.crosscheck import default_inputs, graph_feed
 from toolkit.check.localize import EPS32, localize_stage, node_scale
 from toolkit.cli import main
 
@@ -42,27 +42,30 @@ def block(tmp_path_factory):
     return open_artifact(out)
 
 
+def add_to_sub_is_named(artifact, tmp_path, target):
+    """Turn the Add node `target` into a Sub; `check --localize` must pin both ONNX backends to it, by op and name."""
+
+    def mutate(model):
+        next(n for n in model.graph.node if n.name == target).op_type = "Sub"
+
+    mutated = mutated_copy(artifact, tmp_path, mutate)
+    result = CliRunner().invoke(
+        main, ["check", str(mutated.directory), "--backends", "ort-cpu,onnx-reference", "--localize"]
+    )
+    assert result.exit_code == 1, result.output
+    assert "RESULT: FAIL" in result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("localize ")]
+    assert len(lines) == 2
+    for line in lines:
+        assert f"Sub {target!r}" in line and "export fault" in line
+
+
 def test_add_turned_into_sub_inside_attention_is_named(block, tmp_path):
     # The RoPE rotation's "first * sin + second * cos" is an Add in the attention; make it a Sub.
     original = onnx.load(block.model_path)
     # Adds that are not stage outputs (the residual adds are): the first is inside the attention's RoPE.
     attention_adds = [n for n in original.graph.node if n.op_type == "Add" and "." not in n.output[0]]
-    target = attention_adds[0].name
-
-    def mutate(model):
-        next(n for n in model.graph.node if n.name == target).op_type = "Sub"
-
-    artifact = mutated_copy(block, tmp_path, mutate)
-    result = CliRunner().invoke(
-        main, ["check", str(artifact.directory), "--backends", "ort-cpu,onnx-reference", "--localize"]
-    )
-    assert result.exit_code == 1, result.output
-    assert "RESULT: FAIL" in result.output
-    # Both ONNX backends are pinned to the mutated node, by op type and name.
-    lines = [line for line in result.output.splitlines() if line.startswith("localize ")]
-    assert len(lines) == 2
-    for line in lines:
-        assert f"Sub {target!r}" in line and "export fault" in line
+    add_to_sub_is_named(block, tmp_path, attention_adds[0].name)
 
 
 def test_changed_epsilon_inside_the_rmsnorm_function_is_named(block, tmp_path):
@@ -120,6 +123,18 @@ def test_matmul_bound_is_higham_gamma_k():
     assert node_scale("Reshape", [a], a) == (3.0, 0)  # data movement must be exact
 
 
+def test_matmulnbits_bound_is_the_matmul_bound_of_its_dequantized_weight():
+    # K = 32 in one 4-bit block, N = 1, every code 9 with the default zero point 8 and scale 0.5: W = 0.5.
+    # |A| @ |W| by hand: 0.5 * (1 + 2 + ... + 32) = 264; 33 rounding steps, as for a MatMul over 32 terms.
+    packed = np.full((1, 1, 16), 9 | (9 << 4), dtype=np.uint8)
+    a = -np.arange(1.0, 33.0)[None, :]
+    attributes = {"K": 32, "N": 1, "bits": 4, "block_size": 32}
+    magnitude, steps = node_scale(
+        "MatMulNBits", [a, packed, np.array([0.5]), None], a @ np.full((32, 1), 0.5), attributes
+    )
+    assert (magnitude, steps) == (264.0, 33)
+
+
 def test_localize_on_an_eager_backend_says_why_not(block, tmp_path):
     from toolkit.check.crosscheck import cross_check
     from toolkit.check.localize import localize_report
@@ -128,3 +143,66 @@ def test_localize_on_an_eager_backend_says_why_not(block, tmp_path):
     report.backends[0].comparison.outputs[0].passed = False  # pretend eager failed
     (finding,) = localize_report(report, block)
     assert finding.finding is None and "runs no ONNX graph" in finding.note
+
+
+# --------------------------------------------------------------------------- weight-only quantized graphs
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A 2-layer Llama quantized to int4 (MatMulNBits, block 32), as `toolkit quantize` writes it."""
+    from exporters.onnx_export import export_model
+    from models.registry import build_model, get_family
+    from toolkit.quantize.pipeline import quantize_artifact
+
+    config = get_family("llama").config_from_dict(
+        {"vocab_size": 96, "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128, "max_positions": 48}
+    )
+    base = tmp_path_factory.mktemp("localize-int4")
+    export_model(build_model("llama", config, seed=0), "llama", config, base / "float", variant="serving")
+    return quantize_artifact(base / "float", base / "int4", bits=4).artifact
+
+
+def test_a_quantized_artifact_checks_on_every_default_backend(quantized):
+    # onnx-reference evaluates MatMulNBits from runners/contrib_ops.py; without it the default check is refused.
+    result = CliRunner().invoke(main, ["check", str(quantized.directory)])
+    assert result.exit_code == 0, result.output
+    assert "onnx-reference   PASS" in result.output
+
+
+def test_a_correct_quantized_graph_has_no_divergent_node(quantized):
+    feed = graph_feed(quantized.graphs[0], default_inputs(quantized, None, None, 0)[0], {})  # with an empty cache
+    for backend in ("ort-cpu", "onnx-reference"):
+        found = localize_stage(quantized, backend, "logits", feed)
+        assert found.finding is None, found.describe()
+        assert found.nodes_checked > 0
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(quantized.model_path).graph.node)
+
+
+def test_add_turned_into_sub_in_a_quantized_graph_is_named(quantized, tmp_path):
+    # The RoPE rotation's "first * sin + second * cos": the first Add of two products.
+    nodes = onnx.load(quantized.model_path).graph.node
+    products = {out for n in nodes if n.op_type == "Mul" for out in n.output}
+    add_to_sub_is_named(
+        quantized, tmp_path, next(n for n in nodes if n.op_type == "Add" and set(n.input) <= products).name
+    )
+
+
+def test_a_matmulnbits_kernel_fault_is_blamed_on_the_backend(quantized, monkeypatch):
+    real = localize.run_backend_all
+
+    def faulty(backend, model, feed):
+        values = real("onnx-reference", model, feed)
+        node = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+        # 1e-4 on one element: several times the kernel's float32 bound, (K + 1) eps max(|A| @ |W|)
+        wrong = values[node.output[0]].copy()
+        wrong.flat[0] += np.float32(1e-4)
+        values[node.output[0]] = wrong
+        return values
+
+    monkeypatch.setattr(localize, "run_backend_all", faulty)
+    feed = graph_feed(quantized.graphs[0], default_inputs(quantized, None, None, 0)[0], {})  # with an empty cache
+    found = localize_stage(quantized, "ort-cpu", "logits", feed)
+    assert found.finding is not None and found.finding.cause == "backend"
+    assert found.finding.op_type == "MatMulNBits"
+    assert found.finding.max_abs == pytest.approx(1e-4, rel=1e-2)

@@ -1,0 +1,47 @@
+"""ONNX Runtime's com.microsoft operators that an artifact of this toolkit may hold, for onnx.reference.
+
+The reference evaluator knows only the standard domains. A weight-only quantized artifact holds
+MatMulNBits, so without this the `onnx-reference` backend and node localisation (which re-evaluates
+nodes on onnx.reference) could not open it. The implementation follows the operator's published
+contract (onnxruntime docs/ContribOperators.md): Y = A @ dequantize(B) + bias, with the weight
+dequantized per K-block and the product taken in float64 or the activations' own width, whichever is
+wider, so it is the exact value a kernel's rounding is judged against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx.reference.op_run import OpRun
+
+from exporters.quantize import dequantize_nbits
+
+
+class MatMulNBits(OpRun):
+    op_domain = "com.microsoft"
+
+    def _run(self, a, b, scales, zero_points=None, g_idx=None, bias=None, **attributes):
+        # onnx.reference passes each of the node's attributes as a keyword argument of its name
+        k, n, bits, block_size = (attributes.get(name) for name in ("K", "N", "bits", "block_size"))
+        if g_idx is not None and g_idx.size:
+            # act-order (GPTQ) column permutations: no artifact of this toolkit writes them
+            raise NotImplementedError("MatMulNBits with g_idx is not supported by the reference implementation")
+        if a.shape[-1] != k:
+            raise ValueError(f"MatMulNBits: A's last dimension is {a.shape[-1]}, K is {k}")
+        weight = dequantize_nbits(
+            b,
+            scales,
+            zero_points if zero_points is not None and zero_points.size else None,
+            bits=bits,
+            block_size=block_size,
+            k=k,
+            n=n,
+        )
+        wide = np.promote_types(a.dtype, weight.dtype)
+        y = a.astype(wide) @ weight.astype(wide)
+        if bias is not None and bias.size:
+            y = y + bias.astype(wide)
+        return (y.astype(a.dtype),)
+
+
+# The operators to pass as `ReferenceEvaluator(..., new_ops=CONTRIB_OPS)`.
+CONTRIB_OPS = [MatMulNBits]
