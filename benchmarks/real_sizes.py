@@ -471,6 +471,20 @@ def run_shape(name: str, runner: Runner, work: Path, args, smollm2: Path | None)
     if steps["export_float32"]["exit_code"] != 0:
         return result
 
+    if "quantize" not in args.skip:
+        quantize(name, runner, a32, a4, a4_level4, args, steps)
+    if "check" not in args.skip:
+        for tag, art in (("float32", a32), ("int4", a4)):
+            if (art / "manifest.json").is_file():
+                check(name, tag, art, runner, steps)
+    if "bench" not in args.skip:
+        result["bench"] = run_bench(name, runner, base, args, smollm2, steps)
+    if name in args.serve_shapes and "serve" not in args.skip:
+        serve(name, a32, runner, steps)
+    return result
+
+
+def quantize(name: str, runner: Runner, a32: Path, a4: Path, a4_level4: Path, args, steps: dict) -> None:
     shutil.rmtree(a4, ignore_errors=True)
     steps["quantize_int4"] = runner.run(
         f"{name}-quantize-int4", [TOOLKIT, "quantize", str(a32), "--bits", "4", "--out", str(a4)]
@@ -486,32 +500,30 @@ def run_shape(name: str, runner: Runner, work: Path, args, smollm2: Path | None)
         )
         steps["quantize_int4_level4"]["artifact_bytes"] = dir_bytes(a4_level4)
 
-    for tag, art in (("float32", a32), ("int4", a4)):
-        if (art / "manifest.json").is_file():
-            step = steps[f"check_{tag}"] = runner.run(
-                f"{name}-check-{tag}",
-                [TOOLKIT, "check", str(art), "--decode-steps", "2", "--backends", "ort-cpu,eager"],
-            )
-            if "killed_by_watchdog" in step:  # without the float32 eager model beside the float64 reference
-                steps[f"check_{tag}_ort_cpu_only"] = runner.run(
-                    f"{name}-check-{tag}-ort-cpu-only",
-                    [TOOLKIT, "check", str(art), "--decode-steps", "2", "--backends", "ort-cpu"],
-                )
 
-    result["bench"] = run_bench(name, runner, base, args, smollm2, steps)
+def check(name: str, tag: str, art: Path, runner: Runner, steps: dict) -> None:
+    step = steps[f"check_{tag}"] = runner.run(
+        f"{name}-check-{tag}",
+        [TOOLKIT, "check", str(art), "--decode-steps", "2", "--backends", "ort-cpu,eager"],
+    )
+    if "killed_by_watchdog" in step:  # without the float32 eager model beside the float64 reference
+        steps[f"check_{tag}_ort_cpu_only"] = runner.run(
+            f"{name}-check-{tag}-ort-cpu-only",
+            [TOOLKIT, "check", str(art), "--decode-steps", "2", "--backends", "ort-cpu"],
+        )
 
-    if name in args.serve_shapes:
-        steps["generate"] = runner.run(
-            f"{name}-generate",
-            [TOOLKIT, "generate", str(a32), "--prompt", "w10 w20 w30 w40", "--max-new-tokens", "8"],
-        )
-        port = free_port()
-        steps["serve"] = runner.run(
-            f"{name}-serve",
-            [TOOLKIT, "serve", str(a32), "--port", str(port)],
-            during=serve_request(port, "w10 w20 w30 w40", 8),
-        )
-    return result
+
+def serve(name: str, a32: Path, runner: Runner, steps: dict) -> None:
+    steps["generate"] = runner.run(
+        f"{name}-generate",
+        [TOOLKIT, "generate", str(a32), "--prompt", "w10 w20 w30 w40", "--max-new-tokens", "8"],
+    )
+    port = free_port()
+    steps["serve"] = runner.run(
+        f"{name}-serve",
+        [TOOLKIT, "serve", str(a32), "--port", str(port)],
+        during=serve_request(port, "w10 w20 w30 w40", 8),
+    )
 
 
 def summarise(shapes: dict) -> dict:
@@ -567,6 +579,11 @@ def main() -> None:
         action="store_true",
         help="also quantize with --accuracy-level 4 (int8 activations) and bench it",
     )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated step groups to leave out: quantize, check, bench, serve (e.g. to re-measure one step)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--update", action="store_true", help="keep the other shapes already in --json")
     parser.add_argument(
@@ -577,6 +594,10 @@ def main() -> None:
     args = parser.parse_args()
     args.serve_shapes = args.serve_shapes.split(",")
     args.dtypes = args.dtypes.split(",")
+    args.skip = {group for group in args.skip.split(",") if group}
+    unknown = args.skip - {"quantize", "check", "bench", "serve"}
+    if unknown:
+        parser.error(f"--skip: unknown step groups {sorted(unknown)}; known: quantize, check, bench, serve")
     runner = Runner(args.work, int(args.max_rss_gib * GIB))
     results = {
         "date": datetime.date.today().isoformat(),

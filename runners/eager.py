@@ -8,13 +8,14 @@ judged against; `eager-cuda` is `eager` on the GPU, with TF32 off so float32 is 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
 from onnx import numpy_helper
 
-from artifact import Artifact, GraphArtifact, load_onnx
-from artifact.errors import ModelFileError
+from artifact import Artifact, GraphArtifact, validate_onnx
+from artifact.errors import ExternalDataError, ModelFileError
 from exporters.quantize import dequantize_weight
 from models.artifacts import artifact_config
 from models.registry import build_model, get_family
@@ -44,6 +45,53 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+@contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype):
+    """Inside the block every floating parameter and buffer of `model` is `dtype`, as after `model.to(dtype)`,
+    yet the model holds no second copy: the tensors outside its blocks (embedding, final norm, head) are cast
+    for the whole call, each block's own only while that block runs, and each tensor gets its own values
+    back afterwards (the originals are kept, so nothing is rounded twice). One float32 model thus serves
+    as the eager backend and as the float64 oracle, holding one block in float64 beyond its weights.
+    """
+    floats = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    if all(t.dtype == dtype for t in floats):
+        yield model
+        return
+    blocks, prefixes = [], []  # the outermost ModuleLists' items (a list inside a block belongs to its block)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(p) for p in prefixes):
+            blocks += list(module)
+            prefixes.append(f"{name}.")
+    inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+    originals = {}  # id -> (tensor, its own data) of every tensor cast now
+
+    def cast(tensors):
+        for t in tensors:
+            if t.is_floating_point() and t.dtype != dtype and id(t) not in originals:
+                originals[id(t)] = (t, t.data)
+                t.data = t.data.to(dtype)
+
+    def restore(tensors):
+        for t in tensors:
+            if id(t) in originals:
+                t.data = originals.pop(id(t))[1]
+
+    def own(block):
+        return [*block.parameters(), *block.buffers()]
+
+    hooks = []
+    for block in blocks:
+        hooks.append(block.register_forward_pre_hook(lambda m, args: cast(own(m))))
+        hooks.append(block.register_forward_hook(lambda m, args, out: restore(own(m))))
+    try:
+        cast([t for t in floats if id(t) not in inside])
+        yield model
+    finally:
+        for hook in hooks:
+            hook.remove()
+        restore([t for t, _ in list(originals.values())])
+
+
 class EagerRunner(Runner):
     def __init__(
         self,
@@ -54,12 +102,16 @@ class EagerRunner(Runner):
         config,
         name="eager",
         device: str = "cpu",
+        by_block: bool = False,
     ):
         super().__init__(graph.input_specs, graph.output_names, config)
         self.name = name
         self.dtype = dtype
         self.torch_device = torch.device(device)
-        self.model = model.to(device=self.torch_device, dtype=dtype).eval()
+        # by_block: the model keeps its own dtypes and is cast a block at a time while it runs (computing_in),
+        # so the float64 oracle and the eager backend can share it
+        self.by_block = by_block and self.torch_device.type == "cpu"
+        self.model = model.eval() if self.by_block else model.to(device=self.torch_device, dtype=dtype).eval()
         self.forward = run
         where = device
         if self.torch_device.type == "cuda":
@@ -98,7 +150,8 @@ class EagerRunner(Runner):
             tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
             args.append(tensor.to(self.torch_device))
         if self.torch_device.type != "cuda":
-            stages = self.forward(self.model, *args)
+            with computing_in(self.model, self.dtype) if self.by_block else nullcontext():
+                stages = self.forward(self.model, *args)
         else:
             matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -111,15 +164,28 @@ class EagerRunner(Runner):
 
 
 def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch.nn.Module:
-    """Construct the artifact's model and load every weight from the graphs' ONNX initializers."""
+    """Construct the artifact's model and load every weight from the graphs' ONNX initializers.
+
+    Weights in external data are read one tensor at a time straight into the model's parameters, so the
+    load holds one copy of the weights plus the tensor in hand, not the graph's copy as well.
+    """
     config = artifact_config(artifact)
     model = build_model(artifact.family, config, init=False)  # every weight is loaded next
     protos = protos or {}
+    # state_dict tensors share storage with the parameters (tied weights included): copy_ fills the model
     state = model.state_dict()
-    loaded = {}
+    loaded = set()
     for graph in artifact.graphs:
-        proto = protos.get(graph.name) or load_onnx(graph.model_path)
+        proto = protos.get(graph.name) or validate_onnx(graph.model_path)  # without its external data
         initializers = {init.name: init for init in proto.graph.initializer}
+        base_dir = str(graph.model_path.parent)
+
+        def read(name, graph=graph, initializers=initializers, base_dir=base_dir):
+            try:
+                return numpy_helper.to_array(initializers[name], base_dir=base_dir)
+            except (OSError, ValueError) as exc:
+                raise ExternalDataError(f"{graph.model_path}: cannot read initializer {name!r} ({exc})") from None
+
         for name, place in graph.weights.items():
             if name not in state:
                 raise ModelFileError(
@@ -129,12 +195,12 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                 raise ModelFileError(
                     f"{graph.model_path}: weight {name!r} points at missing initializer {place.initializer!r}"
                 )
-            array = numpy_helper.to_array(initializers[place.initializer])
-            if array.dtype.name in ("float16", "bfloat16"):
-                # A reduced-precision export: the model holds the rounded values, widened exactly.
-                array = array.astype(np.float32)
             if place.quantized:  # a `toolkit quantize` artifact: the reference uses the dequantized weight
-                array = dequantize_weight(initializers, place.quantized)
+                spec = place.quantized
+                parts = [spec[key] for key in ("weight", "scales", "zero_points") if key in spec]
+                array = dequantize_weight({part: read(part) for part in parts}, spec)
+            else:
+                array = read(place.initializer)
             if place.slice:  # a fused initializer (lowering "ort": QKV, gate/up): [axis, start, stop]
                 axis, start, stop = place.slice
                 array = np.take(array, np.arange(start, stop), axis=axis)
@@ -145,11 +211,15 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                     f"{graph.model_path}: weight {name!r} expected shape {tuple(state[name].shape)}, "
                     f"initializer {place.initializer!r} has {tuple(array.shape)}"
                 )
-            loaded[name] = torch.from_numpy(np.array(array, copy=True, order="C"))
+            # float16/bfloat16 exports: the model holds the rounded values, widened exactly. An array read from
+            # external data is a read-only view of the bytes read, which torch only takes as writable memory.
+            array = np.ascontiguousarray(array) if array.flags.writeable else np.array(array, order="C")
+            state[name].copy_(to_torch(array))
+            loaded.add(name)
+            del array
     missing = [name for name in state if name not in loaded]
     if missing:
         raise ModelFileError(f"{artifact.location}: no initializer for weight {missing[0]!r}; re-run `toolkit export`")
-    model.load_state_dict(loaded)
     return model
 
 
@@ -161,9 +231,11 @@ def eager_runner(
     protos: dict | None = None,
     model: torch.nn.Module | None = None,
     device: str = "cpu",
+    by_block: bool = False,
 ) -> EagerRunner:
     graph_artifact = artifact.graph(graph)
     spec = {g.name: g for g in get_family(artifact.family).graphs(artifact_config(artifact))}[graph_artifact.name]
     model = model if model is not None else model_from_artifact(artifact, protos)
     run = spec.variant(artifact.variant)[2]
-    return EagerRunner(model, dtype, graph_artifact, run, artifact_config(artifact), name=name, device=device)
+    config = artifact_config(artifact)
+    return EagerRunner(model, dtype, graph_artifact, run, config, name=name, device=device, by_block=by_block)

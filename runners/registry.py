@@ -92,11 +92,14 @@ def create_runner(
     protos: dict | None = None,
     eager_model=None,
     tf32: bool = False,
+    by_block: bool = False,
 ):
     """Build the runner called `name` for one graph of `artifact` (the only one by default).
 
     protos ({graph name: ModelProto}) avoids re-reading files; eager_model reuses a rebuilt model.
     tf32: GPU backends' speed mode (TF32 matmuls); parity checks keep it off.
+    by_block: `eager` and `eager-f64` keep eager_model as it is and cast it a block at a time while they run
+    (runners.eager.computing_in), rather than converting it whole, so the two can share one model.
     """
     dtype = artifact_dtype(artifact)
     check_backend(name, dtype)
@@ -107,9 +110,10 @@ def create_runner(
     config = artifact_config(artifact)
     if name in ("eager", "eager-f64", "eager-cuda"):
         torch_dtype = torch.float64 if name == "eager-f64" else TORCH_DTYPES[dtype]
-        model = None if eager_model is None else eager_model.to(torch_dtype)
+        by_block = by_block and name != "eager-cuda"
+        model = eager_model if eager_model is None or by_block else eager_model.to(torch_dtype)
         device = "cuda" if name == "eager-cuda" else "cpu"
-        return eager_runner(artifact, torch_dtype, name, target.name, protos, model, device=device)
+        return eager_runner(artifact, torch_dtype, name, target.name, protos, model, device=device, by_block=by_block)
     if name in PROVIDERS:
         loader = SessionLoader(target.model_path, PROVIDERS[name], tf32=tf32)
         return OrtRunner(

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from artifact import Artifact, load_onnx
+from artifact import Artifact
 from artifact.errors import ConfigError, InputError
 from exporters.quantize import INT8_ACTIVATIONS_LEVEL
 from models.artifacts import artifact_config
@@ -279,27 +279,35 @@ def prepare_inputs(
 # --------------------------------------------------------------------------- the oracle
 
 
+# Above this size of a float64 copy of the weights the check keeps one model: the oracle and the eager
+# backend cast it a block at a time while they run (runners.eager.computing_in). Below it a float64 copy and
+# a converted model run faster in decode loops.
+BY_BLOCK_BYTES = 2 << 30
+
+
 @dataclass
 class EagerModels:
-    """The artifact's graphs and the eager model rebuilt from them, in float64 (the oracle) and float32.
+    """The eager model rebuilt from the artifact's weights: the float64 oracle and the eager backend's model.
 
-    Every runner of one check shares them, so the model is rebuilt once.
+    Every runner of one check shares them, so the model is rebuilt once. For a large model (`by_block`) both
+    are the one float32 model, cast by block while each runs; otherwise `float64` is a float64 copy.
     """
 
-    protos: dict
     float64: torch.nn.Module
     float32: torch.nn.Module
+    by_block: bool = False
 
     @classmethod
     def load(cls, artifact: Artifact) -> EagerModels:
-        protos = {g.name: load_onnx(g.model_path) for g in artifact.graphs}
-        oracle = model_from_artifact(artifact, protos).to(torch.float64)
-        return cls(protos, oracle, copy.deepcopy(oracle).to(torch.float32))
+        model = model_from_artifact(artifact)
+        if 2 * sum(p.numel() * p.element_size() for p in model.parameters()) > BY_BLOCK_BYTES:
+            return cls(model, model, by_block=True)
+        return cls(copy.deepcopy(model).to(torch.float64), model)
 
     def runner(self, name: str, artifact: Artifact, graph: str | None = None):
         """The runner `name` for `graph` (the whole artifact by default); the eager backends reuse these models."""
         model = self.float32 if name == "eager" else self.float64 if name == "eager-f64" else None
-        return create_runner(name, artifact, graph, protos=self.protos, eager_model=model)
+        return create_runner(name, artifact, graph, eager_model=model, by_block=self.by_block)
 
 
 def oracle_outputs(artifact: Artifact, models: EagerModels, inputs: dict) -> tuple[dict, dict, dict]:

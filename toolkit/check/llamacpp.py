@@ -39,6 +39,7 @@ from artifact import Artifact
 from artifact.errors import BackendUnavailableError, ConfigError, InputError, ModelFileError
 from models.artifacts import artifact_config
 from runners.compare import Comparison, OutputComparison
+from runners.eager import computing_in
 
 NAME = "llama.cpp"
 INSTALL_HINT = (
@@ -197,7 +198,8 @@ def run_llama_cpp(path: Path, prompt: np.ndarray, steps: int, *, threads: int | 
 @torch.no_grad()
 def rebuild_logits(model64: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
     """Our float64 rebuild's logits on `ids` (B, S), all positions at once."""
-    return model64.to(torch.float64)(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))["logits"].numpy()
+    with computing_in(model64, torch.float64):
+        return model64(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))["logits"].numpy()
 
 
 # --------------------------------------------------------------------------- the verdict

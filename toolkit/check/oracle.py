@@ -24,7 +24,6 @@ to its dtype's tolerance (float16: rtol 1e-2).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 import re
@@ -47,7 +46,7 @@ from artifact.errors import (
 from artifact.write import check_output_dir, write_staged
 from models.artifacts import artifact_config, open_artifact
 from runners.compare import Comparison, ToleranceConfig, compare
-from runners.eager import model_from_artifact
+from runners.eager import computing_in, model_from_artifact
 
 ORACLES = ("transformers", "llama.cpp")
 INSTALL_HINT = "pip install '.[oracle]' (or pip install 'transformers>=4.45')"
@@ -260,9 +259,11 @@ def mapped_stages(layers: int) -> list[str]:
 def our_stages(model64: torch.nn.Module, input_ids: np.ndarray, names: list[str]) -> tuple[dict, dict]:
     """The float64 rebuild's stages `names` on `input_ids`, and per stage float32's max abs error against it."""
     ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
-    model32 = copy.deepcopy(model64).to(torch.float32)
-    ours = {k: v.numpy() for k, v in model64.to(torch.float64)(ids).items() if k in names}
-    ours32 = model32(ids)
+    # model64 is a float64 copy or a model cast a block at a time (computing_in): no second copy either way
+    with computing_in(model64, torch.float64):
+        ours = {k: v.numpy() for k, v in model64(ids).items() if k in names}
+    with computing_in(model64, torch.float32):
+        ours32 = model64(ids)
     calibration = {k: float(np.max(np.abs(ours32[k].double().numpy() - ours[k]), initial=0.0)) for k in ours}
     return ours, {k: v if np.isfinite(v) else 0.0 for k, v in calibration.items()}
 
@@ -462,7 +463,7 @@ def verify_export(artifact: Artifact, directory: Path, *, seed: int = 0):
     disagree. Returns the logits' OutputComparison and the oracle's info."""
     config = artifact_config(artifact)
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, (1, min(VERIFY_TOKENS, config.max_positions)))
-    model64 = model_from_artifact(artifact).to(torch.float64)
+    model64 = model_from_artifact(artifact)  # float32, run in float64 a block at a time
     run = run_oracle(artifact, directory, model64, ids.astype(np.int64), stages=["logits"])
     result = judge_oracle(run, artifact.manifest.dtype)["logits"]
     if not result.passed:
