@@ -13,7 +13,6 @@ for: the eager reference of a quantized artifact is the model with those weights
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 
@@ -63,12 +62,14 @@ def prepare_proto(proto):
 
 
 def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0, algorithm: str = "rtn"):
-    """(quantized ModelProto, number of MatMulNBits nodes) of a prepared graph (see prepare_proto)."""
+    """(quantized ModelProto, number of MatMulNBits nodes) of a prepared graph (see prepare_proto).
+
+    The quantizer rewrites the graph it is given: `proto` is consumed (no copy, so the weights are held once).
+    """
     import onnx
 
     from artifact.protobuf import weightless
 
-    proto = copy.deepcopy(proto)
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     except ImportError as exc:
@@ -149,10 +150,26 @@ def torch_weights(proto, weight_map: dict) -> dict[str, np.ndarray]:
     }
 
 
+def head_copies(prepared, head: np.ndarray | None) -> dict[tuple, str]:
+    """{digest: initializer} of the prepared graph's MatMul weights that hold `head` transposed: where a tied
+    head's values live once the export folded its transpose. Taken before quantization rewrites the graph."""
+    from onnx import numpy_helper
+
+    if head is None or head.ndim != 2:
+        return {}
+    b_inputs = {n.input[1] for n in prepared.graph.node if n.op_type == "MatMul" and len(n.input) > 1}
+    wanted = tuple(reversed(head.shape))
+    return {
+        array_digest(numpy_helper.to_array(init)): init.name
+        for init in prepared.graph.initializer
+        if init.name in b_inputs and init.data_type in FLOAT_TYPES and tuple(init.dims) == wanted
+    }
+
+
 def quantized_weight_map(
     source_map: dict,
     folded: dict[str, str],
-    prepared,
+    copies: dict[tuple, str],
     quantized,
     weights: dict[str, np.ndarray],
     bits: int,
@@ -166,18 +183,11 @@ def quantized_weight_map(
     since the dequantized B has the stored float layout. A quantized location is accepted only if it
     reconstructs the float weight to within half a quantization step. Names in prefer_quantized (the
     LM head) take a quantized location when one holds their values: a tied head's source entry points at
-    the embedding table, while the graph multiplies by a separate (now quantized) transposed copy.
+    the embedding table, while the graph multiplies by a separate (now quantized) transposed copy, found in
+    `copies` (head_copies of the prepared graph).
     """
-    from onnx import numpy_helper
-
     initializers = {init.name: init for init in quantized.graph.initializer}
     specs = {quantized_spec(n)["weight"]: quantized_spec(n) for n in quantized.graph.node if n.op_type == "MatMulNBits"}
-    transposed_copies: dict[tuple, str] = {}  # head search: float32 bytes of prepared initializers
-    if prefer_quantized:
-        for init in prepared.graph.initializer:
-            if init.data_type in FLOAT_TYPES and f"{init.name}_Q{bits}" in specs:
-                array = numpy_helper.to_array(init)
-                transposed_copies[array_digest(array)] = init.name
     mapping = {}
     for name, entry in source_map.items():
         location, transpose = entry["initializer"], bool(entry.get("transpose"))
@@ -200,8 +210,8 @@ def quantized_weight_map(
             )
         if name in prefer_quantized and weights[name].ndim == 2 and not extra:
             head = np.ascontiguousarray(weights[name].T)
-            copy_name = transposed_copies.get(array_digest(head))
-            if copy_name is not None:
+            copy_name = copies.get(array_digest(head))
+            if copy_name is not None and f"{copy_name}_Q{bits}" in specs:
                 options.insert(
                     0,
                     {

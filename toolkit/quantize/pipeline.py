@@ -32,6 +32,7 @@ from exporters.quantize import (
     BITS,
     BLOCK_SIZES,
     HEAD,
+    head_copies,
     prepare_proto,
     quantize_proto,
     quantized_weight_map,
@@ -112,23 +113,26 @@ def quantize_artifact(
         proto = load_onnx(graph.model_path)
         weights = torch_weights(proto, graph.entry.data["weights"])
         prepared, folded = prepare_proto(proto)
+        del proto  # the prepared graph holds its own copy of every weight
+        copies = head_copies(prepared, weights.get(HEAD))
         matmuls = sum(1 for n in prepared.graph.node if n.op_type == "MatMul")
         progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({algorithm})")
-        proto, count = quantize_proto(
+        proto, count = quantize_proto(  # consumes `prepared`
             prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
         )
+        del prepared
         total += count
         entry["weights"] = quantized_weight_map(
             graph.entry.data["weights"],
             folded,
-            prepared,
+            copies,
             proto,
             weights,
             bits,
             prefer_quantized=(HEAD,),
             algorithm=algorithm,
         )
-        del prepared
+        del weights
         if manifest["config"].get("tie_embeddings") and "quantized" in entry["weights"].get(HEAD, {}):
             # The graph multiplies by a quantized copy of the embedding while Gather reads the float one:
             # two different matrices, so the model this artifact describes has an untied head.
