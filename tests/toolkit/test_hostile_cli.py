@@ -244,13 +244,23 @@ def graph_dims_disagree(env: Env, tmp: Path) -> Made:
     return directory, (MODEL_FILE, "input_ids")
 
 
-def hf_config(edit: Callable[[dict], object], *fields: str):
+def hf_file(name: str, edit: Callable[[dict], object], *fields: str):
+    """A copy of the checkpoint with its JSON file `name` edited; the error must name the file and `fields`."""
+
     def make(env: Env, tmp: Path) -> Made:
         directory = copy_of(env.checkpoint, tmp)
-        edit_json(directory / "config.json", edit)
-        return directory, ("config.json", *fields)
+        edit_json(directory / name, edit)
+        return directory, (name, *fields)
 
     return make
+
+
+def hf_config(edit: Callable[[dict], object], *fields: str):
+    return hf_file("config.json", edit, *fields)
+
+
+def hf_tokenizer_config(edit: Callable[[dict], object], *fields: str):
+    return hf_file("tokenizer_config.json", edit, *fields)
 
 
 def hf_config_huge_int(env: Env, tmp: Path) -> Made:
@@ -258,15 +268,6 @@ def hf_config_huge_int(env: Env, tmp: Path) -> Made:
     path = directory / "config.json"
     path.write_text(with_huge_int(path.read_text(), "hidden_size"))
     return directory, ("config.json", "digits")
-
-
-def hf_tokenizer_config(edit: Callable[[dict], object], *fields: str):
-    def make(env: Env, tmp: Path) -> Made:
-        directory = copy_of(env.checkpoint, tmp)
-        edit_json(directory / "tokenizer_config.json", edit)
-        return directory, ("tokenizer_config.json", *fields)
-
-    return make
 
 
 def safetensors_fifo(env: Env, tmp: Path) -> Made:
