@@ -2,7 +2,7 @@
 
 Sources: a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`, and
 `generation_config.json` for the end-of-sequence ids generation stops on), or the
-vocabulary, merges and special tokens in GGUF metadata. Chat templates come
+vocabulary, merges (or SentencePiece scores) and special tokens in GGUF metadata. Chat templates come
 from the checkpoint, so they render in a sandboxed Jinja environment.
 
 Text a user typed is text: "</s>" in a prompt or a message encodes as its characters, never as the
@@ -29,6 +29,11 @@ CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # GGUF pre-tokenizer names this toolkit can rebuild, and how.
 GGUF_PRE_TOKENIZERS = ("gpt2", "smollm", "default")
+GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type); byte (6) and unused (5) pieces need no handling
+# of their own: byte pieces are what byte fallback emits, unused ones are never produced.
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 
 class ArtifactTokenizerConfig(Strict):
@@ -298,29 +303,32 @@ class TextTokenizer:
 
     @classmethod
     def from_gguf(cls, fields: dict) -> TextTokenizer:
-        """Rebuild a byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.*)."""
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        """Rebuild a GGUF's tokenizer from its metadata (tokenizer.ggml.*): byte-level BPE ("gpt2") or
+        SentencePiece BPE ("llama"), as llama.cpp tokenizes them."""
+        from tokenizers import AddedToken
 
         kind = fields.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelFileError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE)")
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        if pre not in GGUF_PRE_TOKENIZERS:
+        if kind not in GGUF_TOKENIZER_MODELS:
             raise ModelFileError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(GGUF_PRE_TOKENIZERS)}"
+                f"GGUF tokenizer model {kind!r:.60} is not supported; supported: "
+                + ", ".join(f"{k!r} ({what})" for k, what in GGUF_TOKENIZER_MODELS.items())
             )
         tokens = fields["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
-        backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre == "smollm":  # digits are split one by one before the byte-level regex
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
+        backend = _gguf_byte_level(fields, tokens) if kind == "gpt2" else _gguf_sentencepiece(fields, tokens)
         types = fields.get("tokenizer.ggml.token_type", [])
-        control = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-        backend.add_special_tokens(control)
+        # Control tokens are special (text a user types never yields them); llama.cpp matches user-defined tokens
+        # whole in any text, before the rest is split, so they are added tokens that are not special.
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == TOKEN_CONTROL]
+        )
+        if kind == "llama":
+            backend.add_tokens(
+                [
+                    AddedToken(tokens[i], special=False, normalized=False)
+                    for i, t in enumerate(types)
+                    if t == TOKEN_USER_DEFINED
+                ]
+            )
         template = fields.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise ModelFileError(f"GGUF tokenizer.chat_template must be a string, got {type(template).__name__}")
@@ -328,7 +336,8 @@ class TextTokenizer:
             backend,
             bos_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_id=fields.get("tokenizer.ggml.eos_token_id"),
-            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             chat_template=template,
             template_source="the GGUF's tokenizer.chat_template",
             # llama.cpp ends generation on end-of-turn and end-of-message tokens as on EOS.
@@ -336,6 +345,78 @@ class TextTokenizer:
                 t for t in (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")) if t is not None
             ),
         )
+
+
+def _gguf_byte_level(fields: dict, tokens: list[str]):
+    """A byte-level BPE ("gpt2"): the file's merges by rank, split by the named pre-tokenizer's regex."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if pre not in GGUF_PRE_TOKENIZERS:
+        raise ModelFileError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(GGUF_PRE_TOKENIZERS)}"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":  # digits are split one by one before the byte-level regex
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_sentencepiece(fields: dict, tokens: list[str]):
+    """A SentencePiece BPE ("llama": Llama 2, Mistral v0.1, Gemma, Phi-3) as llama.cpp's llm_tokenizer_spm runs it.
+
+    llama.cpp merges the adjacent pair whose joined text is the highest-scoring token, and spells a piece that is
+    no token as its bytes (<0xXX> tokens). A BPE model whose merges are every way of cutting a token in two,
+    ranked by that token's score, makes the same merges; the file's order breaks ties between equal scores.
+    Spaces are "▁" and each piece of text between added tokens starts with one where add_space_prefix says so
+    (llama.cpp prefixes every text fragment that follows a token it matched whole, or starts the text).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = fields.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ModelFileError(
+            "GGUF tokenizer model 'llama' (SentencePiece) needs tokenizer.ggml.scores; the file has none"
+        )
+    types = fields.get("tokenizer.ggml.token_type", [])
+    types = [*types, *[TOKEN_NORMAL] * (len(tokens) - len(types))]  # a token without a type is normal
+    vocab = {token: i for i, token in enumerate(tokens)}
+    # Only normal pieces are made from text: control, unknown, byte and unused pieces never are (SentencePiece),
+    # and user-defined ones are matched whole before any merging.
+    candidates = []
+    for i, token in enumerate(tokens):
+        if types[i] != TOKEN_NORMAL or len(token) < 2:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                candidates.append((-scores[i], i, cut, left, right))
+    merges = [(left, right) for *_, left, right in sorted(candidates)]
+    unknown = fields.get("tokenizer.ggml.unknown_token_id")
+    if unknown is None:
+        unknown = next((i for i, t in enumerate(types) if t == TOKEN_UNKNOWN), None)
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[unknown] if unknown is not None else None,
+            byte_fallback=True,
+            fuse_unk=True,
+        )
+    )
+    prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
+    replace = normalizers.Replace(" ", SPM_SPACE)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:  # the space the prefix added before the first word
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
 
 
 def _split_marked(text: str, opening: str, closing: str) -> list[tuple[str, bool]] | None:

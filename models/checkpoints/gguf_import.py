@@ -51,7 +51,23 @@ GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Phi-3's LongRoPE: per-frequency factors that llama.cpp switches between by the context size it is run at.
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
-GGUF_TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+# Every type gguf.quants dequantizes that llama.cpp's converters and quantizer write for these models: plain floats,
+# 32-value blocks and the 256-value K-quant super-blocks (Q8_K is only llama.cpp's activation type, never stored).
+GGUF_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 # Row length handed to gguf's dequantizer (16 rows per numpy call): SmolLM2's rows are a few hundred
 # bytes, so calls are mostly overhead; much longer rows are slower again (their temporaries are
 # fresh memory on every call).
@@ -147,6 +163,12 @@ def _base_key_policy(arch: str, at_head_width, head_width) -> KeyPolicy:
                 "tokenizer.ggml.eom_token_id",
                 "tokenizer.ggml.add_bos_token",
                 "tokenizer.chat_template",
+                # SentencePiece ("llama") vocabularies: merge priorities, the leading space, the unknown piece;
+                # the padding id is checked as a token id (generation never emits it).
+                "tokenizer.ggml.scores",
+                "tokenizer.ggml.add_space_prefix",
+                "tokenizer.ggml.unknown_token_id",
+                "tokenizer.ggml.padding_token_id",
             }
         ),
         only={
@@ -168,6 +190,14 @@ def _base_key_policy(arch: str, at_head_width, head_width) -> KeyPolicy:
             f"{arch}.expert_used_count": Only(lambda v, raw, ours: v == 0, "0 (a dense model)"),
             # Appending EOS to every prompt changes what generation sees.
             "tokenizer.ggml.add_eos_token": Only(lambda v, raw, ours: v is False, "false"),
+            # SentencePiece normalization that llama.cpp applies to Unigram (T5) vocabularies only: a file that
+            # asks for it describes a tokenizer whose text is not what llama.cpp's BPE splits.
+            "tokenizer.ggml.remove_extra_whitespaces": Only(
+                lambda v, raw, ours: v is False, "false (whitespace is kept as typed)"
+            ),
+            "tokenizer.ggml.precompiled_charsmap": Only(
+                lambda v, raw, ours: v in (None, []), "absent (no SentencePiece character normalization)"
+            ),
         },
         inert=frozenset(
             {
@@ -181,9 +211,8 @@ def _base_key_policy(arch: str, at_head_width, head_width) -> KeyPolicy:
         inert_prefixes=(
             "GGUF.",  # the reader's own: version and counts
             "general.",  # names, licences, file type, quantization version, base models, tags
-            # Tokenizer bookkeeping: SentencePiece scores and prefix-space flag (a byte-level BPE vocabulary
-            # merges by rank), further special ids, named chat templates, the same tokenizer in Hugging Face's
-            # format; the tokens and merges above are what is read.
+            # Tokenizer bookkeeping: further special ids (separator, mask, fill-in-the-middle), named chat
+            # templates, the same tokenizer in Hugging Face's format; the keys above are what is read.
             "tokenizer.",
             "quantize.imatrix.",  # which calibration data chose the quantization, not how to dequantize it
         ),
@@ -390,6 +419,7 @@ def _gguf_tokenizer(fields: dict, vocab_size: int, path: Path) -> TextTokenizer:
     """TextTokenizer.from_gguf on metadata whose types and ranges are checked first."""
     tokens, merges = fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.merges", [])
     types = fields.get("tokenizer.ggml.token_type", [])
+    scores = fields.get("tokenizer.ggml.scores")
     problems = []
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         problems.append("tokenizer.ggml.tokens is not a list of strings")
@@ -399,11 +429,22 @@ def _gguf_tokenizer(fields: dict, vocab_size: int, path: Path) -> TextTokenizer:
         problems.append("tokenizer.ggml.merges is not a list of 'a b' strings")
     if not isinstance(types, list) or not all(isinstance(t, int) for t in types) or len(types) > vocab_size:
         problems.append("tokenizer.ggml.token_type is not a list of integers, one per token")
+    if scores is not None and (
+        not isinstance(scores, list)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scores)
+        or len(scores) != vocab_size
+    ):
+        problems.append("tokenizer.ggml.scores is not a list of finite numbers, one per token")
+    prefix = fields.get("tokenizer.ggml.add_space_prefix")
+    if prefix is not None and not isinstance(prefix, bool):
+        problems.append(f"tokenizer.ggml.add_space_prefix {prefix!r:.40} is not true or false")
     for key in (
         "tokenizer.ggml.bos_token_id",
         "tokenizer.ggml.eos_token_id",
         "tokenizer.ggml.eot_token_id",
         "tokenizer.ggml.eom_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
     ):
         value = fields.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
@@ -431,7 +472,8 @@ def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
         )
     data = tensor.data
     if kind not in GGUF_PLAIN_TYPES:
-        # A block's values do not depend on where rows end, so rows of whole blocks up to
+        # BF16 arrives as bytes (a block of one value, 2 bytes) like the quantized types. A block's values do not
+        # depend on where rows end, so rows of whole blocks up to
         # GGUF_DEQUANTIZE_ROW_BYTES give the same values in fewer numpy calls.
         _, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
         blocks = data.size // type_size

@@ -500,8 +500,10 @@ def write_gguf(
     vocab_size=None,
     hook=None,
     pre="gpt2",
+    quantize=None,
 ) -> dict[str, np.ndarray]:
-    """Write `hf` as a llama.cpp-style GGUF; 2-D tensors stored as `qtype` (or types[name]).
+    """Write `hf` as a llama.cpp-style GGUF; 2-D tensors stored as `qtype` (or types[name]), made by `quantize(array,
+    kind)` (gguf.quants.quantize unless given).
 
     Returns the raw arrays written, by name (quantized ones as their bytes)."""
     c = hf.config
@@ -538,7 +540,7 @@ def write_gguf(
         if name in skip:
             continue
         kind = (types or {}).get(name, qtype if array.ndim == 2 else Q.F32)
-        data = array if kind == Q.F32 else gguf.quants.quantize(array, kind)
+        data = array if kind == Q.F32 else (quantize or gguf.quants.quantize)(array, kind)
         writer.add_tensor(name, data, raw_dtype=None if kind == Q.F32 else kind)
         written[name] = data
     writer.write_header_to_file()
@@ -648,10 +650,11 @@ def test_gguf_unsupported_architecture(tmp_path, bpe):
 
 
 def test_gguf_unsupported_tensor_type(tmp_path, bpe):
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, gguf_llama(bpe), bpe, types={"blk.1.attn_v.weight": Q.Q5_0})
+    path = tmp_path / "mxfp4.gguf"
+    write_gguf(path, gguf_llama(bpe), bpe, types={"blk.1.attn_v.weight": Q.MXFP4})
     with pytest.raises(
-        ModelFileError, match=r"tensor 'blk\.1\.attn_v\.weight' has type Q5_0; supported: F32, F16, Q8_0, Q4_0, Q4_1"
+        ModelFileError,
+        match=r"tensor 'blk\.1\.attn_v\.weight' has type MXFP4; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0",
     ):
         import_checkpoint(path)
 

@@ -199,22 +199,56 @@ def test_files_the_library_reader_refuses_are_refused_in_one_line(tmp_path, case
     assert "\n" not in str(info.value)
 
 
+# gguf.quants dequantizes the K-quants but cannot make them: their blocks are random bytes with each float16 scale
+# set to a finite value (the byte offsets of d, and of dmin where there is one, in ggml's block_qN_K).
+K_QUANT_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+SUPER_BLOCK = 256
+
+
+def quantized(values: np.ndarray, kind, rng: np.random.Generator) -> np.ndarray:
+    """`values` stored as `kind`: gguf.quants.quantize where the library can, else random valid K-quant blocks of
+    the same shape and spread (each row's last dimension a multiple of 256)."""
+    if kind not in K_QUANT_SCALES:
+        return gguf.quants.quantize(values, kind)
+    _, type_size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (values.size // SUPER_BLOCK, type_size), dtype=np.uint8)
+
+    def set_scales(scales):
+        for column, offset in enumerate(K_QUANT_SCALES[kind]):
+            blocks[:, offset : offset + 2] = scales[:, column].astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+    scales = rng.uniform(0.5, 1.5, (len(blocks), len(K_QUANT_SCALES[kind])))
+    set_scales(scales)
+    # The values are linear in the scales: rescaled to the spread of `values`.
+    set_scales(scales * float(values.std()) / float(gguf.quants.dequantize(blocks, kind).std()))
+    return blocks.reshape(*values.shape[:-1], values.shape[-1] // SUPER_BLOCK * type_size)
+
+
+# Each type with tensor shapes of whole blocks whose row counts do not divide the regrouped rows evenly.
+BLOCK_SHAPES = [(7, 96), (13, 32), (1, 32), (3, 5, 64), (97, 160)]
+SUPER_BLOCK_SHAPES = [(7, 256), (13, 512), (1, 256), (3, 5, 256), (37, 768)]
+REGROUPED_TYPES = {
+    **{kind: BLOCK_SHAPES for kind in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.BF16)},
+    **{kind: SUPER_BLOCK_SHAPES for kind in K_QUANT_SCALES},
+}
+
+
 @pytest.mark.parametrize("row_bytes", [1, 100, None], ids=["one block a row", "a few blocks", "default"])
 def test_regrouped_dequantization_is_bitwise_the_library_s(tmp_path, monkeypatch, row_bytes):
     """Rows are regrouped before gguf dequantizes them; every value must come out bit for bit as
-    gguf.quants.dequantize gives it on the tensor as stored (row counts chosen not to divide evenly)."""
+    gguf.quants.dequantize gives it on the tensor as stored (row counts chosen not to divide evenly), for
+    32-value blocks, 256-value K-quant super-blocks and BF16 (blocks of one value, 2 bytes)."""
     from models.checkpoints import gguf_import as checkpoints
 
     if row_bytes is not None:
         monkeypatch.setattr(checkpoints, "GGUF_DEQUANTIZE_ROW_BYTES", row_bytes)
     rng = np.random.default_rng(1)
-    shapes = [(7, 96), (13, 32), (1, 32), (3, 5, 64), (97, 160)]
 
     def build(writer):
-        for kind in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        for kind, shapes in REGROUPED_TYPES.items():
             for shape in shapes:
                 values = (rng.standard_normal(shape) * 3).astype(np.float32)
-                writer.add_tensor(f"{kind.name}.{shape}", gguf.quants.quantize(values, kind), raw_dtype=kind)
+                writer.add_tensor(f"{kind.name}.{shape}", quantized(values, kind, rng), raw_dtype=kind)
 
     path = write(tmp_path / "q.gguf", build)
     header = check_gguf_header(path)

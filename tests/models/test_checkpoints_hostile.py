@@ -371,7 +371,11 @@ def test_well_formed_gguf_tokenizer_metadata_builds(tmp_path):
         ({"tokenizer.ggml.bos_token_id": 7}, r"bos_token_id 7 is not a token id in \[0, 3\)"),
         ({"tokenizer.ggml.eos_token_id": "x"}, r"eos_token_id 'x' is not a token id"),
         ({"tokenizer.chat_template": ["x"]}, r"chat_template is not a string"),
-        ({"tokenizer.ggml.model": "llama"}, r"GGUF tokenizer model 'llama' is not supported"),
+        ({"tokenizer.ggml.model": "t5"}, r"GGUF tokenizer model 't5' is not supported"),
+        ({"tokenizer.ggml.model": "llama"}, r"tokenizer model 'llama' \(SentencePiece\) needs tokenizer\.ggml\.scores"),
+        ({"tokenizer.ggml.scores": [0.0, 1.0]}, r"scores is not a list of finite numbers, one per token"),
+        ({"tokenizer.ggml.scores": [0.0, float("nan"), 1.0]}, r"scores is not a list of finite numbers, one per token"),
+        ({"tokenizer.ggml.add_space_prefix": "yes"}, r"add_space_prefix 'yes' is not true or false"),
     ],
 )
 def test_malformed_gguf_tokenizer_metadata(tmp_path, edit, pattern):

@@ -235,7 +235,7 @@ def test_gguf_smollm_pre_tokenizer_splits_digits(trained):
 @pytest.mark.parametrize(
     "key,value,pattern",
     [
-        ("tokenizer.ggml.model", "llama", r"GGUF tokenizer model 'llama' is not supported; supported: 'gpt2'"),
+        ("tokenizer.ggml.model", "t5", r"GGUF tokenizer model 't5' is not supported; supported: 'gpt2'"),
         ("tokenizer.ggml.pre", "qwen2", r"GGUF pre-tokenizer 'qwen2' is not supported; supported: gpt2, smollm"),
     ],
 )
