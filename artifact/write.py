@@ -160,8 +160,13 @@ def pack_artifact(
         files[entry["file"]] = data
         del data, proto
     files.update(extra_files or {})
-    files[MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+    files[MANIFEST_FILE] = manifest_bytes(manifest)
     return files
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """manifest.json as every writer lays it out."""
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
 
 
 def is_artifact_dir(path: Path) -> bool:
@@ -180,10 +185,13 @@ def check_output_dir(out_dir: Path) -> None:
         )
 
 
-def write_artifact(out_dir: Path, files: dict[str, bytes | list[bytes]], *, verify=None) -> None:
+def write_artifact(
+    out_dir: Path, files: dict[str, bytes | list[bytes]], *, verify=None, move_from: Path | None = None
+) -> None:
     """Write files into out_dir all-or-nothing. A file's contents are bytes, or a list of chunks written in
     order and removed from the list as they are written (external data: each tensor's bytes, never joined
-    into one copy, freed once on disk).
+    into one copy, freed once on disk). move_from: a finished artifact directory in the same parent whose
+    files are moved in first (renamed, not copied), `files` replacing those of the same name.
 
     Everything goes into a sibling temporary directory first (each file fsynced);
     `verify(tmp_dir)` may inspect it; only then is it swapped in, in one atomic
@@ -200,6 +208,9 @@ def write_artifact(out_dir: Path, files: dict[str, bytes | list[bytes]], *, veri
         _clear_leftovers(parent, out_dir.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
         try:
+            if move_from is not None:
+                for path in Path(move_from).iterdir():
+                    os.rename(path, tmp / path.name)
             with naming(out_dir):
                 _write_files(tmp, files)
             if verify is not None:

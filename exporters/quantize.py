@@ -1,14 +1,21 @@
 """The graph rewrite of weight-only int4/int8 quantization with ONNX Runtime's MatMulNBits.
 
 Per graph: inline the custom-domain functions (onnx.inliner) -> fold Transpose nodes of
-constant weights (SwiGLU's body transposes its [out, in] weights) -> ONNX Runtime's
-MatMulNBitsQuantizer (round-to-nearest or HQQ, block-wise along K).
+constant weights (SwiGLU's body transposes its [out, in] weights) -> quantize each MatMul's
+constant B with ONNX Runtime's node quantizers (round-to-nearest or HQQ, block-wise along K).
 
 Only MatMul nodes whose B is a constant initializer are quantized (the projections and
 the LM head); attention's activation x activation MatMuls, the embedding Gather and the
 norm gains stay float. `quantized_weight_map` records where each model parameter lives
 afterwards, and `dequantize_weight` gives the float matrix a MatMulNBits weight stands
 for: the eager reference of a quantized artifact is the model with those weights.
+
+Weights stream: the graph is read without its external data, and every weight is read from
+the artifact's data file when it is needed, one at a time. What the rewrite creates (folded
+transposes, quantized blocks) is held beside the graph as pending initializers
+(artifact.write.PendingWeights), never inside the protobuf message, which cannot give back
+the memory of a field it clears. So a quantization holds one float weight at a time, the
+quantized weights and the float tensors that stay (the embedding table).
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import warnings
 
 import numpy as np
 
-from artifact.errors import ConfigError, ModelFileError
+from artifact.errors import ConfigError, ExternalDataError, ModelFileError
 from artifact.format import CUSTOM_DOMAIN
 from artifact.hashing import array_digest
+from artifact.write import EXTERNAL_MIN_TENSOR_BYTES, PENDING_LOCATION, PendingWeights, is_pending
 
 BITS = (4, 8)
 # rtn: round-to-nearest, asymmetric, uint8 zero points (DefaultWeightOnlyQuantConfig);
@@ -32,11 +40,92 @@ ACCURACY_LEVELS = (0, 1, 4)
 INT8_ACTIVATIONS_LEVEL = 4  # MatMulNBits rounds its input to int8 per block from this level on
 FLOAT_TYPES = (1, 10, 16)  # TensorProto FLOAT, FLOAT16, BFLOAT16
 HEAD = "lm_head.weight"  # the vocabulary projection in every decoder family (models/llama.py, models/gpt.py)
+MS_DOMAIN = "com.microsoft"  # MatMulNBits' domain (opset 1)
+CHECK_SLAB_BYTES = 1 << 26  # float32 bytes of a dequantized weight compared at a time (quantized_weight_map)
 
 
-def prepare_proto(proto):
+class GraphWeights:
+    """The initializers of one graph as arrays, read one at a time: from inside the graph, from its external data
+    (locations and byte ranges already confined by artifact.read.validate_onnx), as a permutation of another
+    initializer (a folded Transpose, computed when read), or from the pending arrays the rewrite holds beside
+    the graph. Nothing is cached: an array read is the caller's until it drops it."""
+
+    def __init__(self, proto, base_dir: str, where, pending: PendingWeights | None = None):
+        self.tensors = {tensor.name: tensor for tensor in proto.graph.initializer}
+        self.origin = dict(self.tensors)  # the source graph's, readable after the rewrite drops them
+        self.derived: dict[str, tuple[str, list[int] | None]] = {}  # folded transposes: (source, perm)
+        self.base_dir, self.where = base_dir, where
+        self.pending = PendingWeights() if pending is None else pending
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def track(self, proto) -> None:
+        """Follow `proto`'s initializers (the graph after a rewrite)."""
+        self.tensors = {tensor.name: tensor for tensor in proto.graph.initializer}
+
+    def array(self, name: str) -> np.ndarray:
+        import onnx
+        from onnx import numpy_helper
+
+        if name in self.derived:
+            source, perm = self.derived[name]
+            return np.ascontiguousarray(np.transpose(self.array(source), perm))
+        tensor = self.tensors.get(name) or self.origin[name]
+        if is_pending(tensor):
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            return self.pending[name].view(dtype).reshape(tuple(tensor.dims))
+        try:
+            return numpy_helper.to_array(tensor, base_dir=self.base_dir)
+        except (OSError, ValueError) as exc:
+            raise ExternalDataError(f"{self.where}: cannot read initializer {name!r} ({exc})") from None
+
+    def derive(self, tensor, source: str, perm: list[int] | None) -> None:
+        """Declare `tensor` (name, data_type and dims set) the transpose of initializer `source` by `perm`: held
+        as the recipe, its values are computed when read (quantized, it is never held whole)."""
+        del tensor.external_data[:]
+        tensor.external_data.add(key="location", value=PENDING_LOCATION)
+        tensor.data_location = tensor.EXTERNAL
+        self.derived[tensor.name] = (source, perm)
+        self.tensors[tensor.name] = tensor
+
+    def hold(self, tensor, array: np.ndarray) -> None:
+        """Keep `tensor`'s values as `array` beside the graph (pending) when large, inside it when small."""
+        from onnx import numpy_helper
+
+        if array.nbytes >= EXTERNAL_MIN_TENSOR_BYTES:
+            self.pending.add(tensor, array)
+        else:
+            tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), tensor.name))
+        self.tensors[tensor.name] = tensor
+
+    def detach(self, proto) -> None:
+        """Read now every initializer that still points at the source's external data or is a folded transpose
+        (the graph keeps them float), as pending arrays: the graph no longer depends on the source's files."""
+        from artifact.protobuf import is_external
+
+        for tensor in proto.graph.initializer:
+            if tensor.name in self.derived or (is_external(tensor) and not is_pending(tensor)):
+                array = self.array(tensor.name)
+                self.derived.pop(tensor.name, None)
+                self.pending.add(tensor, array if array.flags.c_contiguous else np.ascontiguousarray(array))
+
+    def drop_unused(self, proto) -> None:
+        """Remove initializers no node or output reads (and the pending bytes of those held beside the graph)."""
+        used = {name for node in proto.graph.node for name in node.input} | {o.name for o in proto.graph.output}
+        unused = [tensor for tensor in proto.graph.initializer if tensor.name not in used]
+        for tensor in unused:
+            if is_pending(tensor):
+                self.pending.pop(tensor.name, None)
+                self.derived.pop(tensor.name, None)
+            self.tensors.pop(tensor.name, None)
+            proto.graph.initializer.remove(tensor)
+
+
+def prepare_proto(proto, weights: GraphWeights):
     """(graph, {initializer: its folded transpose}): custom-domain functions inlined and constant transposes
-    folded, so weights are MatMul's constant B."""
+    folded, so weights are MatMul's constant B. `proto` is read without its external data; the prepared graph
+    declares the same external initializers (references, not bytes), and `weights` follows it."""
     import onnx.inliner
 
     from artifact.protobuf import weightless
@@ -52,81 +141,101 @@ def prepare_proto(proto):
     inlined.graph.input.extend(inputs)
     kept = {t.name for t in inlined.graph.initializer}
     inlined.graph.initializer.extend(t for t in proto.graph.initializer if t.name not in kept)
-    proto = inlined
-    del proto.functions[:]
-    kept = [o for o in proto.opset_import if o.domain != CUSTOM_DOMAIN]
-    del proto.opset_import[:]
-    proto.opset_import.extend(kept)
-    folded = fold_constant_transposes(proto)
-    return proto, folded
+    prepared = inlined
+    del prepared.functions[:]
+    kept = [o for o in prepared.opset_import if o.domain != CUSTOM_DOMAIN]
+    del prepared.opset_import[:]
+    prepared.opset_import.extend(kept)
+    weights.track(prepared)
+    folded = fold_constant_transposes(prepared, weights)
+    return prepared, folded
 
 
-def quantize_proto(proto, *, bits: int, block_size: int, accuracy_level: int = 0, algorithm: str = "rtn"):
-    """(quantized ModelProto, number of MatMulNBits nodes) of a prepared graph (see prepare_proto).
-
-    The quantizer rewrites the graph it is given: `proto` is consumed (no copy, so the weights are held once).
-    """
+def quantize_proto(
+    proto, weights: GraphWeights, *, bits: int, block_size: int, accuracy_level: int = 0, algorithm: str = "rtn"
+):
+    """(quantized ModelProto, number of MatMulNBits nodes) of a prepared graph (see prepare_proto), rewritten in
+    place. Each MatMul's B is read, handed to ONNX Runtime's node quantizer in a graph of its own and dropped, so
+    one float weight is held at a time; the quantized blocks are held beside the graph in `weights`."""
     import onnx
+    from onnx import numpy_helper
 
     from artifact.protobuf import weightless
 
+    node_quantizer = _node_quantizer(bits, block_size, accuracy_level, algorithm)
+    nodes, count = [], 0
+    for node in proto.graph.node:
+        b = node.input[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+        tensor = weights.tensors.get(b) if b else None
+        if tensor is None or tensor.data_type not in FLOAT_TYPES or len(tensor.dims) != 2:
+            nodes.append(node)
+            continue
+        scratch = onnx.GraphProto()  # the quantizer looks B up here and appends its weights after it
+        scratch.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights.array(b)), b))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # HQQ wraps read-only numpy weights in torch tensors; it only reads them
+            replaced = node_quantizer.quantize(node, [scratch])
+        for made in scratch.initializer[1:]:
+            held = onnx.TensorProto(name=made.name, data_type=made.data_type, dims=list(made.dims))
+            proto.graph.initializer.append(held)
+            weights.hold(proto.graph.initializer[-1], numpy_helper.to_array(made))
+        del scratch
+        count += sum(1 for n in replaced if n.op_type == "MatMulNBits")
+        nodes.extend(replaced)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    if not any(o.domain == MS_DOMAIN for o in proto.opset_import):
+        proto.opset_import.add(domain=MS_DOMAIN, version=1)
+    if accuracy_level:  # the HQQ quantizer does not set it
+        for node in proto.graph.node:
+            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
+    weights.drop_unused(proto)
+    onnx.checker.check_model(weightless(proto))  # serialised whole, a graph over 2 GiB could not be checked
+    return proto, count
+
+
+def _node_quantizer(bits: int, block_size: int, accuracy_level: int, algorithm: str):
     try:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        from onnxruntime.quantization import matmul_nbits_quantizer as nbits
     except ImportError as exc:
         raise ConfigError(
             f"onnxruntime's quantization tooling is not importable ({exc}); install onnxruntime"
         ) from None
     # The quantizer logs every node it visits at INFO; the command prints its own summary.
-    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    logging.getLogger(nbits.__name__).setLevel(logging.WARNING)
     if algorithm == "hqq":
-        from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
-
-        config = HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits)
-        quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, algo_config=config)
-    else:
-        quantizer = MatMulNBitsQuantizer(
-            proto, bits=bits, block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level or None
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # HQQ wraps read-only numpy weights in torch tensors; it only reads them
-        quantizer.process()
-    result = quantizer.model.model
-    if accuracy_level:  # the HQQ path does not set it
-        for node in result.graph.node:
-            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
-                node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
-    count = sum(1 for n in result.graph.node if n.op_type == "MatMulNBits")
-    onnx.checker.check_model(weightless(result))  # serialised whole, a graph over 2 GiB could not be checked
-    return result, count
+        return nbits.HQQWeightOnlyQuantizer(nbits.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits))
+    config = nbits.DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=False, accuracy_level=accuracy_level or None, bits=bits
+    )
+    return nbits.DefaultWeightOnlyQuantizer(config)
 
 
-def fold_constant_transposes(proto) -> dict[str, str]:
+def fold_constant_transposes(proto, weights: GraphWeights) -> dict[str, str]:
     """Replace Transpose(initializer) by a transposed initializer, so MatMul sees a constant B.
 
-    Only Transpose is folded (exact: a permutation of the stored values). Returns {source initializer:
-    its 2-D transposed copy} so weight locations can follow the rename.
+    Only Transpose is folded (exact: a permutation of the stored values); the transposed initializer is a recipe
+    (GraphWeights.derive) computed when read. Returns {source initializer: its 2-D transposed copy} so weight locations can follow the rename.
     """
-    from onnx import numpy_helper
+    import onnx
 
-    initializers = {init.name: init for init in proto.graph.initializer}
     kept, folded = [], {}
     for node in proto.graph.node:
-        if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and node.input[0] in initializers:
-            array = numpy_helper.to_array(initializers[node.input[0]])
+        if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and node.input[0] in weights:
+            source = weights.tensors[node.input[0]]
             perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-            transposed = np.ascontiguousarray(np.transpose(array, perm))
-            proto.graph.initializer.append(numpy_helper.from_array(transposed, node.output[0]))
-            initializers[node.output[0]] = proto.graph.initializer[-1]
-            if array.ndim == 2:
+            dims = list(source.dims)
+            dims = [dims[i] for i in perm] if perm is not None else dims[::-1]
+            proto.graph.initializer.append(onnx.TensorProto(name=node.output[0], data_type=source.data_type, dims=dims))
+            weights.derive(proto.graph.initializer[-1], node.input[0], perm)
+            if len(dims) == 2:
                 folded.setdefault(node.input[0], node.output[0])
         else:
             kept.append(node)
     del proto.graph.node[:]
     proto.graph.node.extend(kept)
-    used = {name for node in proto.graph.node for name in node.input} | {o.name for o in proto.graph.output}
-    unused = [init for init in proto.graph.initializer if init.name not in used]
-    for init in unused:
-        proto.graph.initializer.remove(init)
+    weights.drop_unused(proto)
     return folded
 
 
@@ -139,30 +248,22 @@ def _reconstruct(stored: np.ndarray, entry: dict) -> np.ndarray:
     return stored.T if entry.get("transpose") else stored
 
 
-def torch_weights(proto, weight_map: dict) -> dict[str, np.ndarray]:
-    """{torch weight name: array in torch layout} from the source graph's initializers."""
-    from onnx import numpy_helper
-
-    initializers = {init.name: init for init in proto.graph.initializer}
-    return {
-        name: _reconstruct(numpy_helper.to_array(initializers[entry["initializer"]]), entry)
-        for name, entry in weight_map.items()
-    }
+def torch_weight(source: GraphWeights, entry: dict) -> np.ndarray:
+    """One torch weight (its weight-map entry) in torch layout, read from the source graph's initializers."""
+    return _reconstruct(source.array(entry["initializer"]), entry)
 
 
-def head_copies(prepared, head: np.ndarray | None) -> dict[tuple, str]:
-    """{digest: initializer} of the prepared graph's MatMul weights that hold `head` transposed: where a tied
-    head's values live once the export folded its transpose. Taken before quantization rewrites the graph."""
-    from onnx import numpy_helper
-
+def head_copies(prepared: GraphWeights, matmul_b: set[str], head: np.ndarray | None) -> dict[tuple, str]:
+    """{digest: initializer} of the prepared graph's MatMul weights (`matmul_b`) that hold `head` transposed:
+    where a tied head's values live once the export folded its transpose. Taken before quantization rewrites
+    the graph."""
     if head is None or head.ndim != 2:
         return {}
-    b_inputs = {n.input[1] for n in prepared.graph.node if n.op_type == "MatMul" and len(n.input) > 1}
     wanted = tuple(reversed(head.shape))
     return {
-        array_digest(numpy_helper.to_array(init)): init.name
-        for init in prepared.graph.initializer
-        if init.name in b_inputs and init.data_type in FLOAT_TYPES and tuple(init.dims) == wanted
+        array_digest(prepared.array(name)): name
+        for name, tensor in prepared.tensors.items()
+        if name in matmul_b and tensor.data_type in FLOAT_TYPES and tuple(tensor.dims) == wanted
     }
 
 
@@ -171,7 +272,8 @@ def quantized_weight_map(
     folded: dict[str, str],
     copies: dict[tuple, str],
     quantized,
-    weights: dict[str, np.ndarray],
+    arrays: GraphWeights,
+    source: GraphWeights,
     bits: int,
     prefer_quantized: tuple[str, ...] = (),
     algorithm: str = "rtn",
@@ -181,23 +283,24 @@ def quantized_weight_map(
     A source initializer may have been replaced by its folded transpose (prepare_proto), then by the
     quantizer's `<name>_Q<bits>` MatMulNBits weight; a weight's slice (fused initializers) carries over,
     since the dequantized B has the stored float layout. A quantized location is accepted only if it
-    reconstructs the float weight to within half a quantization step. Names in prefer_quantized (the
-    LM head) take a quantized location when one holds their values: a tied head's source entry points at
-    the embedding table, while the graph multiplies by a separate (now quantized) transposed copy, found in
-    `copies` (head_copies of the prepared graph).
+    reconstructs the float weight (read from `source`, one at a time) to within half a quantization step.
+    Names in prefer_quantized (the LM head) take a quantized location when one holds their values: a tied
+    head's source entry points at the embedding table, while the graph multiplies by a separate (now
+    quantized) transposed copy, found in `copies` (head_copies of the prepared graph). `arrays` reads the
+    quantized graph's initializers.
     """
-    initializers = {init.name: init for init in quantized.graph.initializer}
+    names = {init.name for init in quantized.graph.initializer}
     specs = {quantized_spec(n)["weight"]: quantized_spec(n) for n in quantized.graph.node if n.op_type == "MatMulNBits"}
     mapping = {}
     for name, entry in source_map.items():
         location, transpose = entry["initializer"], bool(entry.get("transpose"))
         # Followed to its folded transpose only when the original is gone: a tied embedding table stays (the
         # Gather reads it) while its folded transpose, the head's B, is quantized.
-        if location in folded and location not in initializers:
+        if location in folded and location not in names:
             location, transpose = folded[location], not transpose
         extra = {k: v for k, v in entry.items() if k not in ("initializer", "transpose")}
         options = []
-        if location in initializers:
+        if location in names:
             options.append({"initializer": location, "transpose": transpose, **extra})
         if f"{location}_Q{bits}" in specs:
             options.append(
@@ -208,9 +311,10 @@ def quantized_weight_map(
                     "quantized": specs[f"{location}_Q{bits}"],
                 }
             )
-        if name in prefer_quantized and weights[name].ndim == 2 and not extra:
-            head = np.ascontiguousarray(weights[name].T)
-            copy_name = copies.get(array_digest(head))
+        weight = None
+        if name in prefer_quantized and not extra:
+            weight = torch_weight(source, entry)
+            copy_name = copies.get(array_digest(np.ascontiguousarray(weight.T))) if weight.ndim == 2 else None
             if copy_name is not None and f"{copy_name}_Q{bits}" in specs:
                 options.insert(
                     0,
@@ -229,20 +333,51 @@ def quantized_weight_map(
         chosen = options[0]
         if "quantized" in chosen:
             spec = chosen["quantized"]
-            rebuilt = _reconstruct(dequantize_weight(initializers, spec), chosen)
-            step = _reconstruct(_step(spec, initializers), chosen)
+            weight = torch_weight(source, entry) if weight is None else weight
+            parts = {key: arrays.array(spec[key]) for key in ("weight", "scales", "zero_points") if key in spec}
             # Round-to-nearest is off by at most half a step (0.51 absorbs float32 rounding of the scale); HQQ
             # moves scale and zero point to lower the overall error, so only the block's range bounds it.
             bound = 0.51 if algorithm == "rtn" else 2.0**bits
-            if rebuilt.shape != weights[name].shape or not np.all(
-                np.abs(rebuilt - weights[name]) <= bound * step + 1e-7
-            ):
+            if not _within_steps(spec, parts, chosen, weight, bound):
                 raise ModelFileError(
                     f"weight {name!r}: its {bits}-bit MatMulNBits weight {spec['weight']!r} does "
                     f"not dequantize to within {bound} steps of the float weight"
                 )
         mapping[name] = chosen
+        del weight
     return mapping
+
+
+def _within_steps(spec: dict, parts: dict, chosen: dict, weight: np.ndarray, bound: float) -> bool:
+    """Whether the MatMulNBits weight (`parts`: its weight, scales and zero points arrays) dequantizes to within
+    `bound` quantization steps of the float `weight` (torch layout) at every element. Compared a slab of
+    output columns at a time (CHECK_SLAB_BYTES of float32), so an embedding-sized head is never held
+    dequantized whole; a sliced (fused) location is compared whole."""
+    k, n = spec["K"], spec["N"]
+    expected = tuple(reversed((k, n))) if chosen.get("transpose") else (k, n)
+    if chosen.get("slice"):
+        rebuilt = _reconstruct(dequantize_weight(_columns(parts, spec, 0, n), spec), chosen)
+        step = _reconstruct(_step(spec, parts["scales"]), chosen)
+        return rebuilt.shape == weight.shape and bool(np.all(np.abs(rebuilt - weight) <= bound * step + 1e-7))
+    if weight.shape != expected:
+        return False
+    slab = max(1, CHECK_SLAB_BYTES // (4 * k))
+    for start in range(0, n, slab):
+        stop = min(start + slab, n)
+        columns = dict(spec, N=stop - start)
+        rebuilt = dequantize_weight(_columns(parts, spec, start, stop), columns)  # [K, stop - start]
+        step = _step(columns, parts["scales"].reshape(n, -1)[start:stop])
+        wanted = weight[start:stop].T if chosen.get("transpose") else weight[:, start:stop]
+        if not np.all(np.abs(rebuilt - wanted) <= bound * step + 1e-7):
+            return False
+    return True
+
+
+def _columns(parts: dict, spec: dict, start: int, stop: int) -> dict:
+    """{initializer name: array} of output columns [start, stop) of a MatMulNBits weight, keyed as `spec` names
+    them (its B, scales and zero points are laid out one row per output column)."""
+    n = spec["N"]
+    return {spec[key]: array.reshape(n, -1)[start:stop] for key, array in parts.items()}
 
 
 def quantized_spec(node) -> dict:
@@ -319,13 +454,10 @@ def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack([low, high], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _step(spec: dict, initializers: dict) -> np.ndarray:
+def _step(spec: dict, scales: np.ndarray) -> np.ndarray:
     """[K, N]: the quantization step (scale) of each element's block."""
-    from onnx import numpy_helper
-
     k, n, block = spec["K"], spec["N"], spec["block_size"]
-    scales = numpy_helper.to_array(initializers[spec["scales"]]).reshape(n, -1).astype(np.float32)
-    return np.repeat(scales.T, block, axis=0)[:k]
+    return np.repeat(scales.reshape(n, -1).astype(np.float32).T, block, axis=0)[:k]
 
 
 def quantizer_version(algorithm: str) -> dict:

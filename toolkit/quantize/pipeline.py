@@ -14,6 +14,7 @@ quantized, both on ONNX Runtime CPU.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import tempfile
 from dataclasses import dataclass
@@ -24,20 +25,21 @@ import numpy as np
 from artifact.errors import ConfigError, ModelFileError
 from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
-from artifact.read import load_onnx
-from artifact.write import check_output_dir, pack_artifact, write_artifact
+from artifact.read import validate_onnx
+from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
 from exporters.quantize import (
     ACCURACY_LEVELS,
     ALGORITHMS,
     BITS,
     BLOCK_SIZES,
     HEAD,
+    GraphWeights,
     head_copies,
     prepare_proto,
     quantize_proto,
     quantized_weight_map,
     quantizer_version,
-    torch_weights,
+    torch_weight,
 )
 from models.artifacts import artifact_config, open_artifact
 
@@ -106,40 +108,45 @@ def quantize_artifact(
     check_output_dir(out_dir)  # before the slow part
 
     manifest = copy.deepcopy(source.manifest.to_dict())
-    files: dict[str, bytes] = {}
+    files: dict[str, object] = {}
+    pending = PendingWeights()  # the quantized graphs' weights, held beside them until written
     total, untied = 0, False
     for k, (entry, graph) in enumerate(zip(manifest["graphs"], source.graphs, strict=False)):
         progress(f"reading graph {k + 1} of {len(source.graphs)} ({graph.model_path.name})")
-        proto = load_onnx(graph.model_path)
-        weights = torch_weights(proto, graph.entry.data["weights"])
-        prepared, folded = prepare_proto(proto)
-        del proto  # the prepared graph holds its own copy of every weight
-        copies = head_copies(prepared, weights.get(HEAD))
+        proto = validate_onnx(graph.model_path)  # without its external data: weights are read one at a time
+        base_dir = str(graph.model_path.parent)
+        originals = GraphWeights(proto, base_dir, graph.model_path)
+        weights = GraphWeights(proto, base_dir, graph.model_path, pending)
+        prepared, folded = prepare_proto(proto, weights)
+        matmul_b = {n.input[1] for n in prepared.graph.node if n.op_type == "MatMul" and len(n.input) > 1}
+        head = graph.entry.data["weights"].get(HEAD)
+        copies = head_copies(weights, matmul_b, None if head is None else torch_weight(originals, head))
         matmuls = sum(1 for n in prepared.graph.node if n.op_type == "MatMul")
         progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({algorithm})")
-        proto, count = quantize_proto(  # consumes `prepared`
-            prepared, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
+        quantized, count = quantize_proto(
+            prepared, weights, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
         )
-        del prepared
         total += count
         entry["weights"] = quantized_weight_map(
             graph.entry.data["weights"],
             folded,
             copies,
-            proto,
+            quantized,
             weights,
+            originals,
             bits,
             prefer_quantized=(HEAD,),
             algorithm=algorithm,
         )
-        del weights
+        weights.detach(quantized)  # the float tensors that stay are read from the source now
+        del originals, proto
         if manifest["config"].get("tie_embeddings") and "quantized" in entry["weights"].get(HEAD, {}):
             # The graph multiplies by a quantized copy of the embedding while Gather reads the float one:
             # two different matrices, so the model this artifact describes has an untied head.
             manifest["config"]["tie_embeddings"] = False
             untied = True
-        entry["custom_ops"] = sorted({n.op_type for n in proto.graph.node if n.domain == CUSTOM_DOMAIN})
-        files[entry["name"]] = proto  # serialised below, once the manifest is final
+        entry["custom_ops"] = sorted({n.op_type for n in quantized.graph.node if n.domain == CUSTOM_DOMAIN})
+        files[entry["name"]] = quantized  # serialised below, once the manifest is final
     if total == 0:
         raise ModelFileError(f"{source_dir}: no MatMul with a constant weight to quantize")
     manifest["custom_ops"] = sorted({op for e in manifest["graphs"] for op in e["custom_ops"]})
@@ -157,19 +164,24 @@ def quantize_artifact(
     }
     extra = {name: (source_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
 
-    # Evaluate the quantized graphs from a scratch artifact, then write the final one (quality in its manifest).
+    # The quantized artifact is written once, to a scratch directory beside out_dir, and its graphs and weights
+    # let go of before it is measured; the measured files are then moved into out_dir with the quality report
+    # added to manifest.json (the graphs embed the manifest without it, so they are the same bytes).
     check_output_dir(out_dir)
     parent = out_dir.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.eval-", dir=parent) as scratch:
         scratch_dir = Path(scratch) / "artifact"
-        progress(f"writing a scratch copy of the {total} quantized weights to measure it")
-        write_artifact(scratch_dir, _serialise(manifest, files, extra))
+        progress(f"writing the {total} quantized weights")
+        write_artifact(scratch_dir, _serialise(manifest, files, extra, pending))
+        del files, pending
         progress("measuring logits error, greedy agreement and perplexity against the float model on ort-cpu")
-        quality = evaluate_quality(source, open_artifact(scratch_dir), greedy_tokens=greedy_tokens)
-    manifest["quantization"]["quality"] = quality
-    progress(f"writing {out_dir}")
-    write_artifact(out_dir, _serialise(manifest, files, extra), verify=open_artifact)
+        measured = open_artifact(scratch_dir)
+        quality = evaluate_quality(source, measured, greedy_tokens=greedy_tokens)
+        written = json.loads((scratch_dir / MANIFEST_FILE).read_text())
+        written["quantization"]["quality"] = quality
+        progress(f"writing {out_dir}")
+        write_artifact(out_dir, {MANIFEST_FILE: manifest_bytes(written)}, verify=open_artifact, move_from=scratch_dir)
     return QuantizeResult(open_artifact(out_dir), quality, total)
 
 
@@ -188,14 +200,10 @@ def _check_language_model(artifact: Artifact) -> None:
         )
 
 
-def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes]) -> dict[str, bytes]:
-    """The artifact's files; each graph embeds the manifest without the quality report (evaluated later)."""
-
-    def embedded(manifest: dict) -> dict:
-        quantization = {k: v for k, v in manifest["quantization"].items() if k != "quality"}
-        return dict(manifest, quantization=quantization)
-
-    return pack_artifact(copy.deepcopy(manifest), protos, extra, embedded=embedded, keep_protos=True)
+def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes], pending: PendingWeights) -> dict[str, bytes]:
+    """The artifact's files (the quality report is added to manifest.json once measured; the graphs embed the
+    manifest without it). The protos and pending weights are taken: each graph's are let go once written."""
+    return pack_artifact(manifest, protos, extra, pending=pending)
 
 
 # --------------------------------------------------------------------------- quality
@@ -214,11 +222,13 @@ def evaluate_quality(
     from runners.registry import create_runner
 
     config = artifact_config(float_artifact)
-    float_runner = create_runner("ort-cpu", float_artifact)
-    quant_runner = create_runner("ort-cpu", quantized_artifact)
     prompts, text_ids, tokenized = _fixed_inputs(float_artifact, config)
     budget = config.max_positions
-    max_diff, sum_diff, count_diff, agree, positions = 0.0, 0.0, 0, 0, 0
+    text_ids = text_ids[:budget]
+    # The float model runs first and is dropped before the quantized one loads: the two sessions are never
+    # held at once (at real sizes the float one alone is several GB).
+    float_runner = create_runner("ort-cpu", float_artifact)
+    fed_sequences, float_logits, starts = [], [], []
     for prompt in prompts:
         prompt = prompt[: max(budget - 1, 1)]
         steps = max(min(greedy_tokens, budget - len(prompt)), 0)
@@ -227,17 +237,24 @@ def evaluate_quality(
             logits = _logits(float_runner, sequence)
             sequence.append(int(np.argmax(logits[-1])))
         fed = sequence[:-1] if steps else sequence
-        float_logits, quant_logits = _logits(float_runner, fed), _logits(quant_runner, fed)
-        diff = np.abs(float_logits.astype(np.float64) - quant_logits)
+        fed_sequences.append(fed)
+        float_logits.append(_logits(float_runner, fed))
+        starts.append(len(prompt) - 1 if steps else None)
+    perplexity_float = perplexity(_logits(float_runner, text_ids), text_ids)
+    del float_runner
+    quant_runner = create_runner("ort-cpu", quantized_artifact)
+    max_diff, sum_diff, count_diff, agree, positions = 0.0, 0.0, 0, 0, 0
+    for fed, reference, start in zip(fed_sequences, float_logits, starts, strict=True):
+        quantized = _logits(quant_runner, fed)
+        diff = np.abs(reference.astype(np.float64) - quantized)
         max_diff = max(max_diff, float(diff.max()))
         sum_diff += float(diff.sum())
         count_diff += diff.size
-        if steps:
-            window = slice(len(prompt) - 1, len(fed))
-            agreed, counted = greedy_agreement_counts(float_logits[window], quant_logits[window])
+        if start is not None:
+            window = slice(start, len(fed))
+            agreed, counted = greedy_agreement_counts(reference[window], quantized[window])
             agree += agreed
             positions += counted
-    text_ids = text_ids[:budget]
     return {
         "prompts": len(prompts),
         "inputs": "tokenizer" if tokenized else f"fixed token ids (seed {SEED}), no tokenizer in the artifact",
@@ -247,7 +264,7 @@ def evaluate_quality(
         "greedy_agreement": agree / positions if positions else float("nan"),
         "greedy_positions": positions,
         "perplexity_tokens": len(text_ids) - 1,
-        "perplexity_float": perplexity(_logits(float_runner, text_ids), text_ids),
+        "perplexity_float": perplexity_float,
         "perplexity_quantized": perplexity(_logits(quant_runner, text_ids), text_ids),
     }
 
