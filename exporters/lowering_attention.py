@@ -17,7 +17,11 @@ How the switches are rebuilt:
 - rotary_dim (partial rotary): RotaryEmbedding's rotary_embedding_dim, cos/sin caches of rotary_dim / 2
   columns; GroupQueryAttention rotates inside (do_rotary) only when that is a multiple of 8 (ONNX Runtime
   refuses other widths).
-- layers without RoPE: no rotation (and do_rotary 0).
+- layers without RoPE: no rotation (and do_rotary 0). When no layer rotates, GroupQueryAttention reads the packed
+  QKV at any head width it takes (a multiple of 8): the multiple of 16 is do_rotary's.
+- the gpt family (models/gpt.py): GPTAttention describes its config in these terms. Its learned positions are added
+  to the embedding before the first block, so its attention is multi-head, without RoPE, window or q/k norm, at
+  the default scale, with its q/k/v/o biases (attention_bias) as above.
 - sliding windows: a query at position p sees keys at p - W < j <= p (transformers' window, W keys). The
   Attention op gets it in its boolean mask, the no-cache graph too (is_causal cannot say it).
   GroupQueryAttention's local_window_size W admits the same W keys (checked against the kernel), counted in
@@ -30,6 +34,7 @@ How the switches are rebuilt:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 from onnx import TensorProto
@@ -46,30 +51,59 @@ GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's CPU GroupQueryAttention rejects other he
 GQA_ROTARY_HEAD_MULTIPLE = 16
 
 
+@dataclass(frozen=True)
+class GPTAttention:
+    """A gpt family config in the llama family's switches that the rewrite reads (lowerings.rewritten_config).
+
+    Learned positions are a Gather added to the token embedding, traced as standard ops that pass through, so no
+    layer rotates; LayerNorm and the biased GELU MLP pass through too, a plain (ungated) feed-forward for the
+    rewrite. The attention biases need no field: _projections reads them from the weight map."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_width: int
+    max_positions: int
+    eps: float
+    qk_norm: str = "none"
+    rotary_dim: int | None = None
+    attention_scale: float | None = None  # the default head_width ** -0.5, as models/gpt.py
+    attention_softcap: float | None = None
+    ffn_gated: bool = False
+
+    @classmethod
+    def of(cls, config) -> GPTAttention:
+        return cls(config.layers, config.heads, config.heads, config.head_width, config.max_positions, config.eps)
+
+    def layer_attention(self, index: int) -> dict:
+        return {"window": None, "rope_base": None, "rope_scaling": None}
+
+
 def attention_plan(lowering: str, config) -> dict:
     """Which kernels a lowering uses for this config: {"gqa", "packed", "attention_op", "rotary_op"}."""
     head = config.head_width
     rotary = getattr(config, "rotary_dim", None) or head
+    rotates = any(config.layer_attention(i)["rope_base"] is not None for i in range(getattr(config, "layers", 1)))
     gqa = lowering == "ort" and head % GQA_HEAD_MULTIPLE == 0
-    # Rotary inside GroupQueryAttention reads packed QKV: no Split or RotaryEmbedding node per layer. A q/k norm
-    # between the projection and the rotation needs them apart.
+    # Rotary inside GroupQueryAttention reads packed QKV: no Split or RotaryEmbedding node per layer; without RoPE
+    # anywhere the packed QKV needs no rotation either. A q/k norm between the projection and the kernel needs
+    # q, k and v apart.
     packed = (
         gqa
-        and head % GQA_ROTARY_HEAD_MULTIPLE == 0
-        and rotary % GQA_ROTARY_HEAD_MULTIPLE == 0
+        and (not rotates or (head % GQA_ROTARY_HEAD_MULTIPLE == 0 and rotary % GQA_ROTARY_HEAD_MULTIPLE == 0))
         and getattr(config, "qk_norm", "none") == "none"
     )
+    if not rotates:
+        rotary_op = None
+    elif packed:
+        rotary_op = "inside GroupQueryAttention (do_rotary)"
+    else:
+        rotary_op = "com.microsoft::RotaryEmbedding" if lowering == "ort" else "RotaryEmbedding (opset 23)"
     return {
         "gqa": gqa,
         "packed": packed,
         "attention_op": "com.microsoft::GroupQueryAttention" if gqa else "Attention (opset 23)",
-        "rotary_op": (
-            "inside GroupQueryAttention (do_rotary)"
-            if packed
-            else "com.microsoft::RotaryEmbedding"
-            if lowering == "ort"
-            else "RotaryEmbedding (opset 23)"
-        ),
+        "rotary_op": rotary_op,
     }
 
 
@@ -137,7 +171,7 @@ class AttentionLowering:
             bias = self._key_padding_bias(x) if "past_mask" in self.graph_inputs else ""
             cache = [past[0], past[1]] if has_cache else ["", ""]
             rotary = [*rope, positions] if self.packed_gqa and rope is not None else ["", "", ""]
-            if self.packed_gqa:  # packed QKV (biased), rotated by the kernel: no Split or RotaryEmbedding nodes
+            if self.packed_gqa:  # packed QKV (biased), rotated by the kernel if at all: no Split or RotaryEmbedding
                 inputs = [qkv, "", "", *cache, seqlens, total, *rotary, bias]
             else:
                 inputs = [q, k, v, *cache, seqlens, total, "", "", "", bias]

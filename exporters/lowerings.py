@@ -14,13 +14,16 @@ and RoPE as primitive ops); a lowering rewrites that ModelProto:
   and no q/k norm) the packed QKV goes straight into GroupQueryAttention, which
   applies the rotary embedding itself (no Split or RotaryEmbedding nodes); at a
   multiple of 8 the projection is
-  split and rotated by com.microsoft RotaryEmbedding; below that the ort
-  lowering uses the opset-23 Attention kernel. The manifest records the choice
-  per graph ("attention_op", "rotary_op").
+  split and rotated by com.microsoft RotaryEmbedding (a model without RoPE, the
+  gpt family, keeps it packed); below that the ort lowering uses the opset-23
+  Attention kernel. The manifest records the choice per graph ("attention_op",
+  "rotary_op", null without RoPE).
 
 Attention is rebuilt from the config, layer by layer (exporters/lowering_attention.py says how each switch of
-the llama family maps onto the kernels). Everything else the llama family's switches change is traced as
-standard ops and passes through: LayerNorm, GeGLU and the plain MLP's GELU, the multipliers and soft caps;
+the llama family maps onto the kernels, and how a gpt family config is described in those switches: learned
+positions, so no RoPE, and biases). Everything else the llama and gpt families' switches change is traced as
+standard ops and passes through: LayerNorm, GeGLU and the plain MLP's GELU, the biases, learned positions, the
+multipliers and soft caps;
 RMSNorm nodes become RMSNormalization in any placement, and in "ort" a SkipSimplifiedLayerNormalization where
 the norm reads a residual sum. The KV-cache contract is unchanged:
 past.{i}.key/value [B, kv_heads, T_past, head_width] in, present = concat(past, new)
@@ -44,7 +47,13 @@ from onnx import helper, numpy_helper
 
 from artifact.errors import ExportError
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, Manifest
-from exporters.lowering_attention import MS_DOMAIN, MS_DOMAIN_VERSION, AttentionLowering, attention_plan
+from exporters.lowering_attention import (
+    MS_DOMAIN,
+    MS_DOMAIN_VERSION,
+    AttentionLowering,
+    GPTAttention,
+    attention_plan,
+)
 from exporters.replicate import topological
 from models.rope import LENGTH_DEPENDENT
 
@@ -54,10 +63,10 @@ STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in
 REFERENCE_BACKEND = "onnx-reference"
 GPU_ORT_BACKENDS = ("ort-cuda", "ort-trt")  # TensorRT hands GroupQueryAttention to the CUDA provider
 GQA_CUDA_DTYPES = ("float16", "bfloat16")  # onnxruntime's CUDA kernel registrations for GroupQueryAttention
-# The fields of the block and llama families' configs that the rewrite rebuilds (attention from the config in
+# The fields of each family's config that the rewrite rebuilds (attention from the config in
 # exporters/lowering_attention.py, norms and the SwiGLU node here) or that change only traced standard ops.
-# A field added to the family later is refused by name, when set, until the rewrite knows it.
-REBUILT_FIELDS = frozenset(
+# A field added to a family later is refused by name, when set, until the rewrite knows it.
+LLAMA_REBUILT_FIELDS = frozenset(
     {
         # the shape and the 2023 block
         "width", "heads", "kv_heads", "head_dim", "ff_width", "max_positions", "eps", "vocab_size", "layers",
@@ -71,9 +80,17 @@ REBUILT_FIELDS = frozenset(
         "logits_scale", "final_softcap",
     }
 )  # fmt: skip
+REBUILT_FIELDS = {
+    "block": LLAMA_REBUILT_FIELDS,
+    "llama": LLAMA_REBUILT_FIELDS,
+    # attention through lowering_attention.GPTAttention; the learned positions (context), LayerNorm and the
+    # GELU MLP (activation) are traced standard ops
+    "gpt": frozenset(
+        {"vocab_size", "width", "heads", "ff_width", "context", "layers", "eps", "attention_bias", "activation",
+         "tie_embeddings"}
+    ),
+}  # fmt: skip
 FAMILY_REFUSALS = {
-    "gpt": "the gpt family's LayerNorm, GELU MLP with biases and learned positions (the rewrite rebuilds "
-    "attention from the llama family's config, which the gpt family's does not share)",
     "encoder-decoder": "the encoder-decoder family's cross-attention and bidirectional encoder attention "
     "(and its LayerNorm/ReLU/biases switches)",
 }
@@ -126,9 +143,9 @@ def _refusal(family: str, config, lowering: str) -> str | None:
             f"lowering {lowering!r} cannot express {FAMILY_REFUSALS[family]}; "
             f"export it with --lowering {DEFAULT_LOWERING}"
         )
-    if family not in ("block", "llama"):
+    if family not in REBUILT_FIELDS:
         return (
-            f"lowering {lowering!r} knows only the block and llama families, not {family!r}; "
+            f"lowering {lowering!r} knows only the {', '.join(REBUILT_FIELDS)} families, not {family!r}; "
             f"export it with --lowering {DEFAULT_LOWERING}"
         )
     kind = (getattr(config, "rope_scaling", None) or {}).get("rope_type")
@@ -138,7 +155,7 @@ def _refusal(family: str, config, lowering: str) -> str | None:
             f"call from the positions; export it with --lowering {DEFAULT_LOWERING}"
         )
     for field in dataclasses.fields(config):
-        if not field.init or field.name in REBUILT_FIELDS:
+        if not field.init or field.name in REBUILT_FIELDS[family]:
             continue
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         value = getattr(config, field.name)
@@ -162,8 +179,13 @@ def lower(
     check_supported(family, config, lowering)
     if lowering == DEFAULT_LOWERING:
         return proto, {}, {}
-    rewriter = _Rewriter(proto, lowering, config, weights)
+    rewriter = _Rewriter(proto, lowering, rewritten_config(family, config), weights)
     return rewriter.run()
+
+
+def rewritten_config(family: str, config):
+    """The config as the rewrite reads it: the llama family's switches, which a gpt family config is described in."""
+    return GPTAttention.of(config) if family == "gpt" else config
 
 
 def _attr(node, name, default=None):

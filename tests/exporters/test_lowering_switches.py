@@ -21,6 +21,7 @@ from artifact.errors import ExportError
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
 from exporters.lowerings import MS_DOMAIN, _Rewriter, check_supported, lowering_support
 from exporters.onnx_export import export_model
+from models.encoder_decoder import EncoderDecoderConfig
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
 from models.registry import build_model
@@ -217,14 +218,19 @@ def test_attention_op_caps_the_scores_before_the_boolean_mask(backend):
 # --------------------------------------------------------------------------- whole exports, against float64 eager
 
 
+def assert_stages_pass_check(artifact, lowering: str, layers: int) -> None:
+    """Every stage of a stages export against float64 eager on the lowering's backends, the last layer's
+    attention probabilities included."""
+    report = cross_check(artifact, BACKENDS[lowering], sequence=SEQUENCE)
+    assert report.passed, [(b.name, b.first_divergence) for b in report.backends if not b.passed]
+    assert f"block.{layers - 1}.attention_weights" in report.stages
+
+
 @pytest.mark.parametrize("lowering", ["standard", "ort"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_switch_passes_check_stage_by_stage_and_on_decode_steps(exports, name, lowering):
     """Attention probabilities of windowed, capped, per-layer-RoPE layers included; then cached decode steps."""
-    stages = exports[name, lowering, "stages"]
-    report = cross_check(stages, BACKENDS[lowering], sequence=SEQUENCE)
-    assert report.passed, [(b.name, b.first_divergence) for b in report.backends if not b.passed]
-    assert f"block.{CONFIGS[name].layers - 1}.attention_weights" in report.stages
+    assert_stages_pass_check(exports[name, lowering, "stages"], lowering, CONFIGS[name].layers)
     serving = exports.get((name, lowering, "serving"))
     if serving is not None:
         report = cross_check(serving, BACKENDS[lowering], sequence=SEQUENCE - 2, decode_steps=2)
@@ -313,18 +319,19 @@ def test_skip_norm_fuses_only_residual_sums(exports):
 def test_lowering_support_names_the_lowerings_a_model_admits():
     for config in CONFIGS.values():
         assert lowering_support("llama", config) == {"functions": None, "standard": None, "ort": None}
-    gpt = lowering_support("gpt", GPTConfig())
-    assert gpt["functions"] is None
+    assert lowering_support("gpt", GPTConfig()) == {"functions": None, "standard": None, "ort": None}
+    seq2seq = lowering_support("encoder-decoder", EncoderDecoderConfig())
+    assert seq2seq["functions"] is None
     for lowering in ("standard", "ort"):
-        assert gpt[lowering].startswith(f"lowering '{lowering}' cannot express the gpt family's")
-        assert gpt[lowering].endswith("export it with --lowering functions") and "\n" not in gpt[lowering]
+        assert seq2seq[lowering].startswith(f"lowering '{lowering}' cannot express the encoder-decoder family's")
+        assert seq2seq[lowering].endswith("export it with --lowering functions") and "\n" not in seq2seq[lowering]
 
 
 def test_the_manifest_records_which_lowerings_the_model_admits(tmp_path):
     from artifact import load_artifact
     from tests.toolkit.test_cli import invoke
 
-    for preset, admits in (("decoder-small", True), ("gpt-tiny", False)):
+    for preset, admits in (("decoder-small", True), ("gpt-tiny", True), ("vaswani-2017", False)):
         result = invoke("export", "--preset", preset, "--out", tmp_path / preset)
         assert result.exit_code == 0, result.output
         recorded = load_artifact(tmp_path / preset).manifest.lowerings

@@ -16,8 +16,13 @@ def export_check_generate(name, tokenizer, tmp_path):
     steps, and greedy generation token-identical to transformers' generate."""
     directory = tmp_path / "hf"
     hf = build(name, tokenizer, directory)
-    out = tmp_path / "artifact"
-    result = invoke("export", "--from", directory, "--out", out)
+    check_and_generate(name, hf, tokenizer, directory, tmp_path / "artifact")
+
+
+def check_and_generate(name, hf, tokenizer, directory, out, *export_options):
+    """export_check_generate for the checkpoint `hf` saved in `directory`, exported with `export_options`
+    (a lowering); the check's output comes back."""
+    result = invoke("export", "--from", directory, "--out", out, *export_options)
     assert result.exit_code == 0, result.output
     assert "verified against the original" in result.output
     check = invoke("check", out, "--oracle", "transformers", "--decode-steps", 3, "--seq-len", SEQ - 3)
@@ -43,3 +48,4 @@ def export_check_generate(name, tokenizer, tmp_path):
     result = invoke("generate", out, "--prompt", prompt, "--max-new-tokens", 20)
     assert result.exit_code == 0, result.output
     assert result.stdout.removesuffix("\n") == tokenizer.decode(generated, skip_special_tokens=True)
+    return check.output

@@ -84,13 +84,13 @@ def hf_llama(
     return randomize(LlamaForCausalLM(config), seed)
 
 
-def hf_gpt2(seed=0, layers=LAYERS) -> GPT2LMHeadModel:
+def hf_gpt2(seed=0, layers=LAYERS, vocab=VOCAB, positions=16) -> GPT2LMHeadModel:
     config = GPT2Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         n_embd=WIDTH,
         n_head=HEADS,
         n_layer=layers,
-        n_positions=16,
+        n_positions=positions,
         activation_function="gelu_new",
         attn_implementation="eager",
         bos_token_id=None,

@@ -172,6 +172,11 @@ def build(name, tok, directory, **overrides):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = randomize(transformers.AutoModelForCausalLM.from_config(config), sum(map(ord, name)))
+    return save_with_tokenizer(model, tok, directory)
+
+
+def save_with_tokenizer(model, tok, directory):
+    """save_pretrained, with the tokenizer and a tokenizer_config that adds <s> and stops at </s>."""
     model.save_pretrained(directory)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(

@@ -15,7 +15,7 @@ import pytest
 from exporters.lowerings import lowering_support
 from models.checkpoints import import_checkpoint
 from tests.models.test_hf_decoders import CASES, SEQ, build, tokenizer, transformers  # noqa: F401  (tokenizer: a fixture)
-from tests.toolkit.test_cli import assert_user_error, invoke
+from tests.toolkit.test_cli import invoke
 
 # Head widths of 16 (rotated widths of 16) send GroupQueryAttention the packed QKV and let it rotate: the
 # switches that must then happen inside the kernel or in the packed projection.
@@ -62,14 +62,28 @@ def through_both_lowerings(tokenizer, tmp_path, name):  # noqa: F811
 
 
 @pytest.mark.parametrize("lowering", ["standard", "ort"])
-def test_lowering_refuses_the_gpt2_architecture_in_one_line(tmp_path, lowering):
-    """GPT-2 imports as the gpt family, whose blocks the rewrite does not rebuild."""
+def test_gpt2_through_both_lowerings(tokenizer, tmp_path, lowering):  # noqa: F811
+    """GPT-2 imports as the gpt family (learned positions, so attention without RoPE; biases on every projection):
+    export --from with the lowering, verified against transformers; check with the transformers oracle, three cached
+    decode steps, the standard lowering's on the ONNX reference evaluator too; greedy generation of 20 tokens
+    token-identical to transformers' generate. Head width 8: the ort lowering's GroupQueryAttention."""
+    from tests.models.hf_cli import check_and_generate
+    from tests.models.test_checkpoints import hf_gpt2
+    from tests.models.test_hf_decoders import MAX_POS, save_with_tokenizer
+
     directory = tmp_path / "hf"
-    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_head=2, n_layer=1, n_positions=16)
-    transformers.GPT2LMHeadModel(config).save_pretrained(directory)
-    result = invoke("export", "--from", directory, "--out", tmp_path / "artifact", "--lowering", lowering)
-    assert_user_error(result, f"lowering '{lowering}' cannot express the gpt family's", "--lowering functions")
-    assert not (tmp_path / "artifact").exists()
+    hf = save_with_tokenizer(hf_gpt2(seed=9, vocab=tokenizer.get_vocab_size(), positions=MAX_POS), tokenizer, directory)
+    imported = import_checkpoint(directory)
+    assert imported.family == "gpt" and imported.config.attention_bias
+    assert lowering_support("gpt", imported.config) == {"functions": None, "standard": None, "ort": None}
+    out = tmp_path / lowering
+    check = check_and_generate("gpt2", hf, tokenizer, directory, out, "--lowering", lowering)
+    assert "decode.2.logits" in check
+    reference = [line.split()[:2] for line in check.splitlines() if line.startswith("onnx-reference")]
+    assert reference == ([["onnx-reference", "PASS"]] if lowering == "standard" else []), check
+    entry = json.loads((out / "manifest.json").read_text())["graphs"][0]
+    want = {"standard": "Attention (opset 23)", "ort": GQA}[lowering]
+    assert (entry["attention_op"], entry["rotary_op"]) == (want, None)
 
 
 def test_quantize_check_and_generate_a_gemma3_export(tokenizer, tmp_path):  # noqa: F811
