@@ -248,7 +248,7 @@ FAMILIES: dict[str, Family] = {
             "ffn": "gelu",
             "positions": "learned",
             "norm_placement": "pre",
-            "biases": "feed-forward only",
+            "biases": "all projections" if c.attention_bias else "feed-forward only",
             "attention": "mha",
         },
     ),
