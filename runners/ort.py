@@ -43,6 +43,7 @@ ALLOWED_PLACEMENT = {
     "TensorrtExecutionProvider": ("TensorrtExecutionProvider", "CUDAExecutionProvider"),
 }
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+DISABLE_PREPACKING = "session.disable_prepacking"  # onnxruntime_session_options_config_keys.h
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"  # onnxruntime_session_options_config_keys.h
 # Output element types of host-side shape arithmetic (Shape, Gather on shapes, Concat of dims, ...).
 _INDEX_TYPES = frozenset({"int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"})
@@ -90,8 +91,12 @@ class SessionLoader:
         tf32: bool = False,
         device_id: int = 0,
         strict_placement: bool = False,
+        prepack: bool = True,
     ):
         self.model_path = Path(model_path)
+        # Prepacking lays constant MatMul weights out for the kernels once, beside the initializers: faster calls,
+        # about twice the weights' memory while the session lives (so a caller holding two sessions may opt out).
+        self.prepack = prepack
         self.provider = provider
         self.intra_op_threads = intra_op_threads
         self.tf32 = tf32
@@ -118,6 +123,8 @@ class SessionLoader:
         options.log_severity_level = 3  # warnings about unused initializers are noise for users
         if self.strict_placement and self.provider != "CPUExecutionProvider":
             options.add_session_config_entry(DISABLE_CPU_FALLBACK, "1")
+        if not self.prepack:
+            options.add_session_config_entry(DISABLE_PREPACKING, "1")
         if profile_prefix is not None:
             options.enable_profiling = True
             options.profile_file_prefix = profile_prefix

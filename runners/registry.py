@@ -93,6 +93,7 @@ def create_runner(
     eager_model=None,
     tf32: bool = False,
     by_block: bool = False,
+    prepack: bool = True,
 ):
     """Build the runner called `name` for one graph of `artifact` (the only one by default).
 
@@ -100,6 +101,8 @@ def create_runner(
     tf32: GPU backends' speed mode (TF32 matmuls); parity checks keep it off.
     by_block: `eager` and `eager-f64` keep eager_model as it is and cast it a block at a time while they run
     (runners.eager.computing_in), rather than converting it whole, so the two can share one model.
+    prepack: ONNX Runtime backends lay constant weights out for their kernels once (runners.ort.SessionLoader);
+    False holds the weights once, at some speed.
     """
     dtype = artifact_dtype(artifact)
     check_backend(name, dtype)
@@ -115,7 +118,7 @@ def create_runner(
         device = "cuda" if name == "eager-cuda" else "cpu"
         return eager_runner(artifact, torch_dtype, name, target.name, protos, model, device=device, by_block=by_block)
     if name in PROVIDERS:
-        loader = SessionLoader(target.model_path, PROVIDERS[name], tf32=tf32)
+        loader = SessionLoader(target.model_path, PROVIDERS[name], tf32=tf32, prepack=prepack)
         return OrtRunner(
             loader, target.input_specs, target.output_names, config, name=name, kv_cache=target.entry.kv_cache
         )

@@ -48,6 +48,21 @@ def test_runner_reports_its_provider_and_time(exported):
     assert isinstance(runner.last_inference_time, float) and runner.last_inference_time >= 0.0
 
 
+def test_a_session_without_prepacking_computes_the_same_outputs(exported):
+    """prepack=False reaches ONNX Runtime as its session option (the quantize report's float session holds its
+    weights once that way) and changes no output bit."""
+    from runners.ort import DISABLE_PREPACKING
+
+    artifact = exported("decoder-small")
+    packed, plain = create_runner("ort-cpu", artifact), create_runner("ort-cpu", artifact, prepack=False)
+    assert plain.loader.options().get_session_config_entry(DISABLE_PREPACKING) == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # unset: ONNX Runtime prepacks
+        packed.loader.options().get_session_config_entry(DISABLE_PREPACKING)
+    ids = np.random.default_rng(1).integers(0, get_preset("decoder-small").config.vocab_size, (2, 7))
+    feed = {"input_ids": ids.astype(np.int64)}
+    assert np.array_equal(packed.run(feed)["logits"], plain.run(feed)["logits"])
+
+
 @pytest.mark.parametrize("preset,batch,seq", [("block-small", 2, 5), ("block-small", 1, 1), ("decoder-small", 3, 6)])
 def test_outputs_match_float64_eager(exported, preset, batch, seq):
     artifact = exported(preset)
