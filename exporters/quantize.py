@@ -2,7 +2,8 @@
 
 Per graph: inline the custom-domain functions (onnx.inliner) -> fold Transpose nodes of
 constant weights (SwiGLU's body transposes its [out, in] weights) -> quantize each MatMul's
-constant B with ONNX Runtime's node quantizers (round-to-nearest or HQQ, block-wise along K).
+constant B with ONNX Runtime's node quantizers (round-to-nearest or HQQ, block-wise along K), or
+with blocks made elsewhere (quantize_proto_blocks: a GGUF's own, exporters/gguf_blocks.py).
 
 Only MatMul nodes whose B is a constant initializer are quantized (the projections and
 the LM head); attention's activation x activation MatMuls, the embedding Gather and the
@@ -160,26 +161,75 @@ def quantize_proto(
     import onnx
     from onnx import numpy_helper
 
-    from artifact.protobuf import weightless
-
     node_quantizer = _node_quantizer(bits, block_size, accuracy_level, algorithm)
-    nodes, count = [], 0
-    for node in proto.graph.node:
-        b = node.input[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        tensor = weights.tensors.get(b) if b else None
-        if tensor is None or tensor.data_type not in FLOAT_TYPES or len(tensor.dims) != 2:
-            nodes.append(node)
-            continue
+
+    def replace(node, b):
         scratch = onnx.GraphProto()  # the quantizer looks B up here and appends its weights after it
         scratch.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights.array(b)), b))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # HQQ wraps read-only numpy weights in torch tensors; it only reads them
             replaced = node_quantizer.quantize(node, [scratch])
         for made in scratch.initializer[1:]:
-            held = onnx.TensorProto(name=made.name, data_type=made.data_type, dims=list(made.dims))
-            proto.graph.initializer.append(held)
-            weights.hold(proto.graph.initializer[-1], numpy_helper.to_array(made))
-        del scratch
+            _hold(proto, weights, made.name, numpy_helper.to_array(made))
+        return replaced
+
+    return _rewrite_matmuls(proto, weights, replace, accuracy_level)
+
+
+def quantize_proto_blocks(proto, weights: GraphWeights, blocks, *, accuracy_level: int = 0):
+    """quantize_proto with given blocks: `blocks(b)` is the NBitsWeight (exporters/gguf_blocks.py) of MatMul weight
+    `b`, built when asked (one at a time), or None to keep that MatMul float."""
+    import onnx
+
+    def replace(node, b):
+        weight = blocks(b)
+        if weight is None:
+            return [node]
+        names = [f"{b}_Q{weight.bits}", f"{b}_scales"]
+        _hold(proto, weights, names[0], weight.packed)
+        _hold(proto, weights, names[1], weight.scales)
+        if weight.zero_points is not None:
+            names.append(f"{b}_zero_points")
+            _hold(proto, weights, names[2], weight.zero_points)
+        attributes = {"K": weight.k, "N": weight.n, "bits": weight.bits, "block_size": weight.block_size}
+        if accuracy_level:
+            attributes["accuracy_level"] = accuracy_level
+        made = onnx.helper.make_node(
+            "MatMulNBits",
+            [node.input[0], *names],
+            list(node.output),
+            name=f"{node.name}_Q{weight.bits}",
+            domain=MS_DOMAIN,
+            **attributes,
+        )
+        return [made]
+
+    return _rewrite_matmuls(proto, weights, replace, accuracy_level)
+
+
+def _hold(proto, weights: GraphWeights, name: str, array: np.ndarray) -> None:
+    """Add initializer `name` with `array`'s values, held beside the graph (GraphWeights.hold)."""
+    import onnx
+
+    data_type = onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
+    proto.graph.initializer.append(onnx.TensorProto(name=name, data_type=data_type, dims=list(array.shape)))
+    weights.hold(proto.graph.initializer[-1], array)
+
+
+def _rewrite_matmuls(proto, weights: GraphWeights, replace, accuracy_level: int):
+    """Every MatMul whose B is a constant 2-D float initializer becomes replace(node, b) (a list of nodes whose
+    initializers it holds); then the com.microsoft opset, the accuracy level, unused weights dropped, checked."""
+    import onnx
+
+    from artifact.protobuf import weightless
+
+    nodes, count = [], 0
+    for node in proto.graph.node:
+        b = _constant_b(node, weights)
+        if b is None:
+            nodes.append(node)
+            continue
+        replaced = replace(node, b)
         count += sum(1 for n in replaced if n.op_type == "MatMulNBits")
         nodes.extend(replaced)
     del proto.graph.node[:]
@@ -193,6 +243,22 @@ def quantize_proto(
     weights.drop_unused(proto)
     onnx.checker.check_model(weightless(proto))  # serialised whole, a graph over 2 GiB could not be checked
     return proto, count
+
+
+def constant_matmul_weights(proto, weights: GraphWeights) -> dict[str, tuple[int, int]]:
+    """{B: (K, N)} of the MatMuls _rewrite_matmuls replaces."""
+    found = (_constant_b(node, weights) for node in proto.graph.node)
+    return {b: tuple(weights.tensors[b].dims) for b in found if b is not None}
+
+
+def _constant_b(node, weights: GraphWeights) -> str | None:
+    """The B of a MatMul whose B is a constant 2-D float initializer (a weight to quantize), else None."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return None
+    tensor = weights.tensors.get(node.input[1])
+    if tensor is None or tensor.data_type not in FLOAT_TYPES or len(tensor.dims) != 2:
+        return None
+    return node.input[1]
 
 
 def _node_quantizer(bits: int, block_size: int, accuracy_level: int, algorithm: str):
@@ -277,6 +343,7 @@ def quantized_weight_map(
     bits: int,
     prefer_quantized: tuple[str, ...] = (),
     algorithm: str = "rtn",
+    bounds: dict[str, float] | None = None,
 ) -> dict[str, dict]:
     """Where each torch weight lives after quantization, following the initializers it was stored in.
 
@@ -287,7 +354,8 @@ def quantized_weight_map(
     Names in prefer_quantized (the LM head) take a quantized location when one holds their values: a tied
     head's source entry points at the embedding table, while the graph multiplies by a separate (now
     quantized) transposed copy, found in `copies` (head_copies of the prepared graph). `arrays` reads the
-    quantized graph's initializers.
+    quantized graph's initializers. `bounds` ({MatMulNBits weight: steps}, 0 for bit for bit) replaces the
+    algorithm's bound where given (the GGUF recipe's blocks, of any width, are named `<name>_Q<their bits>`).
     """
     names = {init.name for init in quantized.graph.initializer}
     specs = {quantized_spec(n)["weight"]: quantized_spec(n) for n in quantized.graph.node if n.op_type == "MatMulNBits"}
@@ -302,28 +370,15 @@ def quantized_weight_map(
         options = []
         if location in names:
             options.append({"initializer": location, "transpose": transpose, **extra})
-        if f"{location}_Q{bits}" in specs:
-            options.append(
-                {
-                    "initializer": f"{location}_Q{bits}",
-                    "transpose": transpose,
-                    **extra,
-                    "quantized": specs[f"{location}_Q{bits}"],
-                }
-            )
+        made = _quantized_name(location, specs)
+        if made is not None:
+            options.append({"initializer": made, "transpose": transpose, **extra, "quantized": specs[made]})
         weight = None
         if name in prefer_quantized and not extra:
             weight = torch_weight(source, entry)
-            copy_name = copies.get(array_digest(np.ascontiguousarray(weight.T))) if weight.ndim == 2 else None
-            if copy_name is not None and f"{copy_name}_Q{bits}" in specs:
-                options.insert(
-                    0,
-                    {
-                        "initializer": f"{copy_name}_Q{bits}",
-                        "transpose": True,
-                        "quantized": specs[f"{copy_name}_Q{bits}"],
-                    },
-                )
+            copy_made = _quantized_name(head_copy(copies, weight), specs)
+            if copy_made is not None:
+                options.insert(0, {"initializer": copy_made, "transpose": True, "quantized": specs[copy_made]})
             options.sort(key=lambda option: "quantized" not in option)
         if not options:
             raise ModelFileError(
@@ -338,27 +393,42 @@ def quantized_weight_map(
             # Round-to-nearest is off by at most half a step (0.51 absorbs float32 rounding of the scale); HQQ
             # moves scale and zero point to lower the overall error, so only the block's range bounds it.
             bound = 0.51 if algorithm == "rtn" else 2.0**bits
+            bound = (bounds or {}).get(spec["weight"], bound)
             if not _within_steps(spec, parts, chosen, weight, bound):
+                within = "bit for bit to" if bound == 0 else f"to within {bound} steps of"
                 raise ModelFileError(
-                    f"weight {name!r}: its {bits}-bit MatMulNBits weight {spec['weight']!r} does "
-                    f"not dequantize to within {bound} steps of the float weight"
+                    f"weight {name!r}: its {spec['bits']}-bit MatMulNBits weight {spec['weight']!r} does "
+                    f"not dequantize {within} the float weight"
                 )
         mapping[name] = chosen
         del weight
     return mapping
 
 
+def _quantized_name(location: str | None, specs: dict) -> str | None:
+    """The MatMulNBits weight made from initializer `location` (`<location>_Q<bits>`), if there is one."""
+    if location is None:
+        return None
+    return next((f"{location}_Q{b}" for b in BITS if f"{location}_Q{b}" in specs), None)
+
+
+def head_copy(copies: dict[tuple, str], head: np.ndarray) -> str | None:
+    """The prepared graph's MatMul weight that holds the torch-layout `head` transposed (see head_copies), if any."""
+    return copies.get(array_digest(np.ascontiguousarray(head.T))) if head.ndim == 2 else None
+
+
 def _within_steps(spec: dict, parts: dict, chosen: dict, weight: np.ndarray, bound: float) -> bool:
     """Whether the MatMulNBits weight (`parts`: its weight, scales and zero points arrays) dequantizes to within
-    `bound` quantization steps of the float `weight` (torch layout) at every element. Compared a slab of
-    output columns at a time (CHECK_SLAB_BYTES of float32), so an embedding-sized head is never held
-    dequantized whole; a sliced (fused) location is compared whole."""
+    `bound` quantization steps of the float `weight` (torch layout) at every element (bound 0: equal, bit for
+    bit). Compared a slab of output columns at a time (CHECK_SLAB_BYTES of float32), so an embedding-sized head
+    is never held dequantized whole; a sliced (fused) location is compared whole."""
     k, n = spec["K"], spec["N"]
+    slack = 0.0 if bound == 0 else 1e-7  # float32 rounding of the scale, where a bound is allowed at all
     expected = tuple(reversed((k, n))) if chosen.get("transpose") else (k, n)
     if chosen.get("slice"):
         rebuilt = _reconstruct(dequantize_weight(_columns(parts, spec, 0, n), spec), chosen)
         step = _reconstruct(_step(spec, parts["scales"]), chosen)
-        return rebuilt.shape == weight.shape and bool(np.all(np.abs(rebuilt - weight) <= bound * step + 1e-7))
+        return rebuilt.shape == weight.shape and bool(np.all(np.abs(rebuilt - weight) <= bound * step + slack))
     if weight.shape != expected:
         return False
     slab = max(1, CHECK_SLAB_BYTES // (4 * k))
@@ -368,7 +438,7 @@ def _within_steps(spec: dict, parts: dict, chosen: dict, weight: np.ndarray, bou
         rebuilt = dequantize_weight(_columns(parts, spec, start, stop), columns)  # [K, stop - start]
         step = _step(columns, parts["scales"].reshape(n, -1)[start:stop])
         wanted = weight[start:stop].T if chosen.get("transpose") else weight[:, start:stop]
-        if not np.all(np.abs(rebuilt - wanted) <= bound * step + 1e-7):
+        if not np.all(np.abs(rebuilt - wanted) <= bound * step + slack):
             return False
     return True
 

@@ -494,24 +494,31 @@ def _dequantize(tensor: GGUFTensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _gguf_names(c: LlamaConfig, lazy: dict, where, arch: str = "llama") -> dict:
-    """Our state dict from llama.cpp's names; `lazy` maps each name to a function that dequantizes it."""
-    tensors = {}
+@dataclasses.dataclass(frozen=True)
+class GGUFSource:
+    """Where one of our weights lives in a GGUF file: a llama.cpp tensor (its whole torch shape), or a range of
+    its rows where the file fuses several of ours (Phi-3's attn_qkv and ffn_up)."""
 
-    def take(name, shape):
-        if name not in lazy:
-            raise ModelFileError(f"{where}: missing tensor {name!r} (expected shape {shape})")
-        tensors[name] = lazy.pop(name)()
-        return take_tensor(tensors, name, shape, where)
+    tensor: str
+    shape: tuple[int, ...]
+    rows: tuple[int, int] | None = None
 
-    def split(name, shape, parts):
-        """A fused tensor's rows, in order, as our `parts` ({our name: rows})."""
-        fused = take(name, shape)
-        return dict(zip(parts, (p.clone() for p in fused.split(list(parts.values()))), strict=True))
 
+def gguf_sources(c: LlamaConfig, tensor_names, arch: str = "llama") -> dict[str, GGUFSource]:
+    """{our state-dict name: its GGUFSource} for a file holding `tensor_names`: llama.cpp's names to ours, the one
+    table the import and `toolkit quantize --recipe gguf` (which takes the tensors' blocks as they are) share.
+    A tied head's source is token_embd."""
     d, f, hd = c.width, c.ff_width, c.head_width
     q, kv = c.heads * hd, c.kv_heads * hd
-    state = {"embed_tokens.weight": take("token_embd.weight", (c.vocab_size, d))}
+    sources = {"embed_tokens.weight": GGUFSource("token_embd.weight", (c.vocab_size, d))}
+
+    def fused(name, parts):
+        """A fused tensor's rows, in order, as our `parts` ({our name: row count})."""
+        shape, start = (sum(parts.values()), d), 0
+        for ours, count in parts.items():
+            sources[ours] = GGUFSource(name, shape, (start, start + count))
+            start += count
+
     for i in range(c.layers):
         g, ours = f"blk.{i}.", f"block.{i}."
         names = [
@@ -521,14 +528,17 @@ def _gguf_names(c: LlamaConfig, lazy: dict, where, arch: str = "llama") -> dict:
             ("ffn_down.weight", "feed_forward.down_proj.weight", (d, f)),
         ]
         rows = dict(zip("qkv", (q, kv, kv), strict=True))
-        if arch in GGUF_HF_TYPES and g + "attn_qkv.weight" in lazy:  # llama.cpp's create_tensor_qkv reads either
-            parts = {f"attention.{p}_proj.weight": n for p, n in rows.items()}
-            state.update({ours + k: v for k, v in split(g + "attn_qkv.weight", (q + 2 * kv, d), parts).items()})
+        if (
+            arch in GGUF_HF_TYPES and g + "attn_qkv.weight" in tensor_names
+        ):  # llama.cpp's create_tensor_qkv reads either
+            fused(g + "attn_qkv.weight", {f"{ours}attention.{p}_proj.weight": n for p, n in rows.items()})
         else:
             names += [(f"attn_{p}.weight", f"attention.{p}_proj.weight", (n, d)) for p, n in rows.items()]
         if arch == "phi3":  # ffn_up holds [gate; up] rows: llama.cpp's swiglu is silu(first half) * second half
-            gate_up = {"feed_forward.gate_proj.weight": f, "feed_forward.up_proj.weight": f}
-            state.update({ours + k: v for k, v in split(g + "ffn_up.weight", (2 * f, d), gate_up).items()})
+            fused(
+                g + "ffn_up.weight",
+                {f"{ours}feed_forward.gate_proj.weight": f, f"{ours}feed_forward.up_proj.weight": f},
+            )
         else:
             names += [
                 ("ffn_gate.weight", "feed_forward.gate_proj.weight", (f, d)),
@@ -548,11 +558,27 @@ def _gguf_names(c: LlamaConfig, lazy: dict, where, arch: str = "llama") -> dict:
         if c.qk_norm == "head":
             names += [("attn_q_norm.weight", "attention.q_norm.weight", (hd,))]
             names += [("attn_k_norm.weight", "attention.k_norm.weight", (hd,))]
-        for src, dst, shape in names:
-            state[ours + dst] = take(g + src, shape)
-    state["final_norm.weight"] = take("output_norm.weight", (d,))
-    if c.tie_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    else:
-        state["lm_head.weight"] = take("output.weight", (c.vocab_size, d))
+        sources.update({ours + dst: GGUFSource(g + src, shape) for src, dst, shape in names})
+    sources["final_norm.weight"] = GGUFSource("output_norm.weight", (d,))
+    head = "token_embd.weight" if c.tie_embeddings else "output.weight"
+    sources["lm_head.weight"] = GGUFSource(head, (c.vocab_size, d))
+    return sources
+
+
+def _gguf_names(c: LlamaConfig, lazy: dict, where, arch: str = "llama") -> dict:
+    """Our state dict from llama.cpp's names; `lazy` maps each name to a function that dequantizes it."""
+    tensors, taken, state = {}, {}, {}
+    for ours, source in gguf_sources(c, lazy.keys(), arch).items():
+        if source.tensor not in taken:  # a fused tensor, or a tied head's token_embd, is read once
+            if source.tensor not in lazy:
+                raise ModelFileError(f"{where}: missing tensor {source.tensor!r} (expected shape {source.shape})")
+            tensors[source.tensor] = lazy.pop(source.tensor)()
+            taken[source.tensor] = take_tensor(tensors, source.tensor, source.shape, where)
+        whole = taken[source.tensor]
+        if source.rows is None:
+            state[ours] = whole
+            continue
+        state[ours] = whole[source.rows[0] : source.rows[1]].clone()
+        if source.rows[1] == source.shape[0]:  # its last part: the fused tensor is let go
+            del taken[source.tensor]
     return finish_state(state, lazy, where)

@@ -9,26 +9,38 @@ import click
 from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
 from toolkit.progress import Progress
-from toolkit.quantize.pipeline import GREEDY_TOKENS, quantize_artifact
+from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 
 
 @click.command("quantize")
 @click.argument("artifact_dir", type=click.Path())
-@click.option("--bits", type=click.Choice([str(b) for b in BITS]), required=True, help="Weight bits.")
+@click.option(
+    "--bits",
+    type=click.Choice([str(b) for b in BITS]),
+    help="Weight bits (required unless --recipe gguf). With the gguf recipe the GGUF decides each tensor's "
+    "layout and --bits must be the file's width (its narrowest quantized MatMul tensor: Q4_0/Q4_1 4, Q8_0 8).",
+)
+@click.option(
+    "--recipe",
+    type=click.Choice(RECIPES),
+    help="gguf: take each MatMul weight's blocks from the GGUF the artifact was exported from, as they are "
+    "(Q4_0 -> 4-bit and Q8_0 -> 8-bit bit for bit, Q4_1 -> an 8-bit grid within 1/32 of its step where "
+    "a block spans zero, F16/F32 "
+    "kept float); the file must be where the manifest says, unchanged. rtn, hqq: re-round the float weights "
+    "(as --algorithm). Default: rtn. The gguf recipe's 8-bit and float-zero-point layouts (Q8_0, Q4_1) "
+    "decode fast only with --accuracy-level 4.",
+)
 @click.option(
     "--block-size",
     type=click.Choice([str(b) for b in BLOCK_SIZES]),
-    default="32",
-    show_default=True,
-    help="Weights per quantization block along K (one scale and zero point each).",
+    help="Weights per quantization block along K (one scale and zero point each) for rtn and hqq. "
+    "[default: 32; the GGUF's own (32) with --recipe gguf]",
 )
 @click.option(
     "--algorithm",
     type=click.Choice(ALGORITHMS),
-    default="rtn",
-    show_default=True,
     help="rtn: round-to-nearest (uint8 zero points); hqq: half-quadratic (float zero points, slower to "
-    "quantize, usually closer to float at 4 bits).",
+    "quantize, usually closer to float at 4 bits). Same as --recipe rtn|hqq.",
 )
 @click.option(
     "--accuracy-level",
@@ -47,23 +59,40 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, quantize_artifact
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Artifact directory to write.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the quality report here.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr (shown on a terminal by default).")
-def command(artifact_dir, bits, block_size, algorithm, accuracy_level, greedy_tokens, out_dir, json_file, quiet):
+def command(
+    artifact_dir, bits, recipe, block_size, algorithm, accuracy_level, greedy_tokens, out_dir, json_file, quiet
+):
     """Quantize the MatMul weights of ARTIFACT_DIR to --bits and report the quality lost against it."""
     result = quantize_artifact(
         artifact_dir,
         out_dir,
-        bits=int(bits),
-        block_size=int(block_size),
+        bits=None if bits is None else int(bits),
+        block_size=None if block_size is None else int(block_size),
         accuracy_level=int(accuracy_level),
         algorithm=algorithm,
+        recipe=recipe,
         greedy_tokens=greedy_tokens,
         progress=Progress("quantize", quiet),
     )
-    q = result.quality
-    click.echo(
-        f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {bits}-bit "
-        f"(block {block_size}, {algorithm}, MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
-    )
+    q, made = result.quality, result.artifact.manifest.quantization
+    for note in result.notes:
+        click.echo(note)
+    if result.recipe == "gguf":
+        layouts = sorted({f"{t['type']} -> {t.get('bits', 'float')}" for t in made["gguf"]["tensors"].values()})
+        click.echo(
+            f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks as they are "
+            f"({', '.join(layouts)}; MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
+        )
+        if int(accuracy_level) == 0 and _slow_at_level_0(made["gguf"]["tensors"].values()):
+            click.echo(
+                "note: ONNX Runtime's CPU MatMulNBits has no fast float32-activation kernel for 8-bit or "
+                "float-zero-point weights; --accuracy-level 4 (int8 activations) decodes much faster"
+            )
+    else:
+        click.echo(
+            f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {made['bits']}-bit "
+            f"(block {made['block_size']}, {result.recipe}, MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
+        )
     click.echo(f"quality vs the float model on ort-cpu ({q['prompts']} fixed prompts, {q['inputs']}):")
     click.echo(f"  logits abs error:  max {q['logits_max_abs']:.4g}, mean {q['logits_mean_abs']:.4g}")
     click.echo(
@@ -82,3 +111,8 @@ def command(artifact_dir, bits, block_size, algorithm, accuracy_level, greedy_to
             "quality": q,
         }
         write_text_atomically(json_file, json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def _slow_at_level_0(tensors) -> bool:
+    """Whether any GGUF tensor became an 8-bit or float-zero-point MatMulNBits weight (no fast kernel at level 0)."""
+    return any(t.get("bits") == 8 or t.get("zero_points") == "float32" for t in tensors)

@@ -1,7 +1,9 @@
 """`toolkit quantize`: weight-only int4/int8 quantization of an artifact, and its measured quality.
 
 The graph rewrite (MatMulNBits, dequantization, the weight map) is exporters/quantize.py;
-this module checks the source, writes the artifact atomically and evaluates it.
+this module checks the source, writes the artifact atomically and evaluates it. Two kinds of
+recipe: rtn and hqq round the float weights (ONNX Runtime's quantizers); gguf takes an artifact's
+weights from the blocks of the GGUF it was exported from, as they are (gguf_recipe.py).
 
 Eager reference of a quantized artifact: the model rebuilt with the DEQUANTIZED weights
 (w = (q - zero_point) * scale), i.e. exactly the function the quantized graph is meant to
@@ -37,11 +39,13 @@ from exporters.quantize import (
     head_copies,
     prepare_proto,
     quantize_proto,
+    quantize_proto_blocks,
     quantized_weight_map,
     quantizer_version,
     torch_weight,
 )
 from models.artifacts import artifact_config, open_artifact
+from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -59,33 +63,47 @@ GREEDY_TOKENS = 16
 SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 
 
+RECIPES = ("gguf", *ALGORITHMS)  # gguf: the source GGUF's blocks as they are; rtn, hqq: the float weights re-rounded
+
+
 @dataclass
 class QuantizeResult:
     artifact: Artifact
     quality: dict
     quantized_weights: int
+    recipe: str
+    notes: list[str]  # hints for the user (printed by the command)
 
 
 def quantize_artifact(
     source_dir,
     out_dir,
     *,
-    bits: int,
-    block_size: int = 32,
+    bits: int | None,
+    block_size: int | None = None,
     accuracy_level: int = 0,
-    algorithm: str = "rtn",
+    algorithm: str | None = None,
+    recipe: str | None = None,
+    q4_1: str = "int8-grid",
     greedy_tokens: int = GREEDY_TOKENS,
     progress=None,
 ) -> QuantizeResult:
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically).
-    progress(message): called as each step starts, for a progress display."""
+
+    recipe: "gguf" takes each weight's blocks from the GGUF the artifact was exported from, as they are
+    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "rtn" (the default) or
+    "hqq" (also spelled `algorithm`) re-round the float weights at `bits` and `block_size` (default 32); for a
+    GGUF export the result's notes point at the gguf recipe. q4_1: the GGUF recipe's Q4_1 layout
+    (exporters/gguf_blocks.Q4_1_LAYOUTS). progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
-    if bits not in BITS:
+    named = recipe is not None or algorithm is not None
+    recipe = _recipe(recipe, algorithm, block_size, bits)
+    algorithm = "rtn" if recipe == "gguf" else recipe
+    if bits is not None and bits not in BITS:
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
-    if block_size not in BLOCK_SIZES:
+    if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    if algorithm not in ALGORITHMS:
-        raise ConfigError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    block_size = block_size or 32
     if algorithm == "hqq" and bits != 4:
         raise ConfigError(
             f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
@@ -107,6 +125,7 @@ def quantize_artifact(
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
     check_output_dir(out_dir)  # before the slow part
 
+    gguf, notes = _gguf_source(source, recipe, bits, q4_1, named)
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, object] = {}
     pending = PendingWeights()  # the quantized graphs' weights, held beside them until written
@@ -122,10 +141,18 @@ def quantize_artifact(
         head = graph.entry.data["weights"].get(HEAD)
         copies = head_copies(weights, matmul_b, None if head is None else torch_weight(originals, head))
         matmuls = sum(1 for n in prepared.graph.node if n.op_type == "MatMul")
-        progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({algorithm})")
-        quantized, count = quantize_proto(
-            prepared, weights, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
-        )
+        blocks, bounds = None, None
+        if gguf is not None:  # every MatMul weight is planned before any is converted
+            blocks = gguf.blocks(prepared, weights, graph.entry.data["weights"], folded, copies, originals)
+        if blocks is not None:
+            progress(f"taking {graph.model_path.name}'s {matmuls} MatMul weights from {gguf.path.name}'s blocks")
+            quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
+            bounds = gguf.bounds
+        else:
+            progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({algorithm})")
+            quantized, count = quantize_proto(
+                prepared, weights, bits=bits, block_size=block_size, accuracy_level=accuracy_level, algorithm=algorithm
+            )
         total += count
         entry["weights"] = quantized_weight_map(
             graph.entry.data["weights"],
@@ -134,9 +161,10 @@ def quantize_artifact(
             quantized,
             weights,
             originals,
-            bits,
+            bits if gguf is None else gguf.bits,
             prefer_quantized=(HEAD,),
             algorithm=algorithm,
+            bounds=bounds,
         )
         weights.detach(quantized)  # the float tensors that stay are read from the source now
         del originals, proto
@@ -150,18 +178,22 @@ def quantize_artifact(
     if total == 0:
         raise ModelFileError(f"{source_dir}: no MatMul with a constant weight to quantize")
     manifest["custom_ops"] = sorted({op for e in manifest["graphs"] for op in e["custom_ops"]})
+    recipe = "gguf" if gguf is not None else algorithm
     manifest["quantization"] = {
-        "bits": bits,
+        "recipe": recipe,
+        "bits": gguf.bits if gguf is not None else bits,
         "block_size": block_size,
         "symmetric": False,
-        "algorithm": algorithm,
+        "algorithm": recipe,
         "accuracy_level": accuracy_level,
         "quantized_matmuls": total,
-        "quantizer": quantizer_version(algorithm),
+        "quantizer": gguf.version() if gguf is not None else quantizer_version(algorithm),
         "source": {"directory": str(source_dir.resolve()), "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,
     }
+    if gguf is not None:
+        manifest["quantization"]["gguf"] = gguf.report()
     extra = {name: (source_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
 
     # The quantized artifact is written once, to a scratch directory beside out_dir, and its graphs and weights
@@ -182,7 +214,38 @@ def quantize_artifact(
         written["quantization"]["quality"] = quality
         progress(f"writing {out_dir}")
         write_artifact(out_dir, {MANIFEST_FILE: manifest_bytes(written)}, verify=open_artifact, move_from=scratch_dir)
-    return QuantizeResult(open_artifact(out_dir), quality, total)
+    return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
+
+
+def _recipe(recipe: str | None, algorithm: str | None, block_size: int | None, bits: int | None) -> str:
+    """The recipe asked for, once --recipe, --algorithm and --block-size agree; rtn when none is named."""
+    if recipe is not None and recipe not in RECIPES:
+        raise ConfigError(f"--recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise ConfigError(f"--algorithm: expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if recipe is not None and algorithm is not None and recipe != algorithm:
+        raise ConfigError(f"--recipe {recipe} with --algorithm {algorithm}: give one of them")
+    if recipe == "gguf" and block_size is not None:
+        raise ConfigError(f"--block-size {block_size} with --recipe gguf: the GGUF's blocks decide (32 values each)")
+    if recipe != "gguf" and bits is None:
+        raise ConfigError("--bits is required unless --recipe gguf")
+    return recipe or algorithm or "rtn"
+
+
+def _gguf_source(
+    source: Artifact, recipe: str, bits: int | None, q4_1: str, named: bool
+) -> tuple[GGUFRecipe | None, list[str]]:
+    """(the GGUF recipe, []) for --recipe gguf (its refusals are errors); otherwise (None, hints): a GGUF export
+    re-rounded by default is pointed at the recipe that keeps its blocks. The recipe is not the default: at
+    ONNX Runtime's default accuracy level its 8-bit and float-zero-point layouts have no fast CPU kernel."""
+    if recipe == "gguf":
+        return gguf_recipe(source, bits, q4_1), []
+    if named or (source.manifest.source or {}).get("format") != "gguf":
+        return None, []
+    return None, [
+        "note: this artifact came from a GGUF file; --recipe gguf takes its weights from the file's blocks as "
+        "they are (the float model's function, for Q4_0/Q8_0 bit for bit) instead of re-rounding them"
+    ]
 
 
 def _check_language_model(artifact: Artifact) -> None:

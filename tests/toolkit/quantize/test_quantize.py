@@ -78,7 +78,9 @@ def mnb_dequantize(proto: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
     blocks = (k + block - 1) // block
     blob = inits[node.input[1]].reshape(n, blocks, block * bits // 8)
     scales = inits[node.input[2]].reshape(n, blocks)
-    zero_blob = inits[node.input[3]].reshape(n, -1)
+    # Without a zero-point input every block's zero point is 2^(bits-1) (the GGUF recipe's Q4_0 and Q8_0).
+    has_zero = len(node.input) > 3 and node.input[3]
+    zero_blob = inits[node.input[3]].reshape(n, -1) if has_zero else np.full((n, blocks), 2 ** (bits - 1), np.int64)
     w = np.zeros((k, n), dtype=np.float64)
     for col in range(n):
         for b in range(blocks):
@@ -86,7 +88,7 @@ def mnb_dequantize(proto: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
                 q = blob[col, b].astype(np.int64)
             else:  # two values per byte, the lower nibble first
                 q = np.array([(byte >> shift) & 0xF for byte in blob[col, b] for shift in (0, 4)], dtype=np.int64)
-            if zero_blob.dtype != np.uint8:  # float zero points (HQQ): one per block, unpacked
+            if zero_blob.dtype != np.uint8:  # float zero points (HQQ), or the default: one per block, unpacked
                 zp = float(zero_blob[col, b])
             elif bits == 8:
                 zp = int(zero_blob[col, b])

@@ -1,0 +1,277 @@
+"""A GGUF file's quantized blocks as com.microsoft MatMulNBits weights, taken as they are (no re-rounding).
+
+A GGUF matrix's rows are output features and its blocks run along the input (K) axis, which is the layout of
+MatMulNBits' B ([N, blocks, blob]: one row of blocks per output column), so each GGUF row becomes a row of B:
+
+    Q4_0  w = d * (q - 8), q 4-bit   -> 4-bit, block 32, scale d, default zero point 8: bit for bit.
+          GGUF packs element j with element j + 16 in byte j; MatMulNBits packs 2i (low) with 2i + 1 (high).
+    Q8_0  w = d * q, q int8          -> 8-bit, block 32, u = q + 128, default zero point 128: bit for bit.
+    Q4_1  w = d * q + m              -> no uint8 zero point holds -m/d, so one of two layouts:
+          "int8-grid" (default): 8-bit, scale d/k (k the largest power of two <= 16 whose grid reaches m, so
+          s is exact) and u = k * q + round(m/s) + z; off by at most s/2 = d/32 (k = 16) of a Q4_1 step.
+          "float-zero-points": 4-bit, scale d, float zero point -m/d; off by float32 rounding only, but ONNX
+          Runtime's CPU kernel has no fast path for float zero points at any accuracy level, while 8-bit
+          weights are fast at accuracy level 4 (SmolLM2 decode: 24 against 2 tok/s; both ~1.3 at level 0).
+
+Float tensors (F32, F16, BF16) stay float MatMuls: that is what llama.cpp computes with them. The values
+compared here are gguf.quants.dequantize's, which is what the GGUF import stores as the float artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from artifact.errors import ModelFileError
+from exporters.quantize import CHECK_SLAB_BYTES, dequantize_nbits
+
+GGUF_BLOCK = 32  # values per block of Q4_0, Q4_1 and Q8_0
+GGUF_NBITS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types taken as MatMulNBits blocks
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")  # kept as float MatMuls
+GGUF_TYPE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # the width the GGUF stores each value at
+Q4_1_LAYOUTS = ("int8-grid", "float-zero-points")
+# Bytes of one block: fp16 scale (and Q4_1's fp16 minimum), then the values.
+BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 4 + 16, "Q8_0": 2 + 32}
+GRID_MULTIPLES = (1, 2, 4, 8, 16)  # Q4_1 on the 8-bit grid: scale d/k, exact in float32 for a power of two k
+
+
+@dataclass
+class NBitsWeight:
+    """A MatMulNBits B for N output columns: packed [N, blocks, blob] uint8, scales [N * blocks] float32, zero points
+    None (the default 2^(bits-1)), uint8 (one per block at 8 bits) or float32 [N * blocks]."""
+
+    bits: int
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    exact: bool  # bit for bit the GGUF's dequantized values
+
+    @property
+    def n(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[1] * GGUF_BLOCK
+
+    @property
+    def block_size(self) -> int:
+        return GGUF_BLOCK
+
+    def rows(self, start: int, stop: int) -> NBitsWeight:
+        """Output columns [start, stop) of this weight (its rows of blocks, scales and zero points)."""
+        zero_points = None if self.zero_points is None else self.zero_points.reshape(self.n, -1)[start:stop].reshape(-1)
+        scales = self.scales.reshape(self.n, -1)[start:stop].reshape(-1)
+        return NBitsWeight(self.bits, self.packed[start:stop], scales, zero_points, self.exact)
+
+    def dequantize(self) -> np.ndarray:
+        """[K, N] float32, as MatMulNBits' contract defines it."""
+        return dequantize_nbits(
+            self.packed, self.scales, self.zero_points, bits=self.bits, block_size=self.block_size, k=self.k, n=self.n
+        )
+
+
+def to_nbits(kind: str, raw: np.ndarray, q4_1: str = "int8-grid") -> NBitsWeight:
+    """The MatMulNBits weight of GGUF rows `raw` ([N, row bytes] uint8, whole blocks of type `kind`)."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, BLOCK_BYTES[kind])
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, blocks]
+    if kind == "Q8_0":
+        # int8 q to uint8 q + 128: flipping the sign bit of the two's complement byte.
+        return NBitsWeight(8, blocks[..., 2:] ^ np.uint8(0x80), d.reshape(-1), None, True)
+    if kind == "Q4_0":
+        return NBitsWeight(4, _pack4(_gguf_nibbles(blocks[..., 2:])), d.reshape(-1), None, True)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = _gguf_nibbles(blocks[..., 4:])
+        if q4_1 == "float-zero-points":
+            return _q4_1_float_zero_points(q, d, m)
+        return _q4_1_grid(q, d, m)
+    raise ValueError(f"GGUF type {kind} has no MatMulNBits layout here; mappable: {', '.join(GGUF_NBITS_TYPES)}")
+
+
+def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 32] values 0..15 in K order from GGUF's 16 bytes per block: low nibbles are elements 0-15, high 16-31."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> 4], axis=-1)
+
+
+def _pack4(values: np.ndarray) -> np.ndarray:
+    """MatMulNBits' 4-bit packing of [..., 32] values: element 2i in the low nibble of byte i, 2i + 1 high."""
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def _q4_1_float_zero_points(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> NBitsWeight:
+    """4-bit, scale d, float zero point -m/d: (q + m/d) * d. A block with d = 0 holds m alone: q = 0, scale m,
+    zero point -1 (zero when m is 0 too)."""
+    flat = d == 0
+    scales = np.where(flat, m, d)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero = np.where(flat, np.where(m == 0, 0.0, -1.0), -m / d).astype(np.float32)
+    q = np.where(flat[..., None], np.uint8(0), q)
+    return NBitsWeight(4, _pack4(q), scales.reshape(-1), zero.reshape(-1), False)
+
+
+def _q4_1_grid(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> NBitsWeight:
+    """8-bit, scale d/k and u = k * q + o + z with o = round(m k / d) and z = max(0, -o): (u - z) * d/k = d q + o d/k,
+    exact in float32 (an 8-bit integer times an fp16 scale over a power of two). k is the largest of GRID_MULTIPLES
+    whose u stays in 0..255; a block no k fits (its minimum more than 240 steps from zero) is rounded onto a grid
+    spanning its values and zero instead."""
+    multiple = np.zeros(d.shape, dtype=np.float32)
+    offset = np.zeros(d.shape, dtype=np.float32)
+    for k in GRID_MULTIPLES:  # ascending: a larger k that fits replaces a smaller one
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            o = np.rint(np.float32(k) * m / d)
+        fits = (d != 0) & np.isfinite(o) & (o >= -255) & (o <= 255 - 15 * k)
+        multiple[fits], offset[fits] = k, o[fits]
+    grid = multiple > 0
+    zero = np.where(grid, np.maximum(0, -offset), 0)
+    u = multiple[..., None] * q + (offset + zero)[..., None]
+    scales = np.where(grid, d / np.where(grid, multiple, 1), 0).astype(np.float32)
+    if not grid.all():
+        values = d[..., None] * q.astype(np.float32) + m[..., None]  # gguf.quants' order of operations
+        low, high = np.minimum(values.min(-1), 0), np.maximum(values.max(-1), 0)
+        span = ((high - low) / 255).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = np.where(span > 0, np.rint(-low / span), 0)
+            rounded = np.clip(np.rint(values / np.where(span > 0, span, 1)[..., None]) + z[..., None], 0, 255)
+        u = np.where(grid[..., None], u, rounded)
+        zero, scales = np.where(grid, zero, z), np.where(grid, scales, span)
+    return NBitsWeight(8, u.astype(np.uint8), scales.reshape(-1), zero.astype(np.uint8).reshape(-1), False)
+
+
+def concat_columns(parts: list[NBitsWeight]) -> NBitsWeight:
+    """One B from several GGUF tensors' rows, in output-column order (a fused QKV or gate/up initializer)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    layouts = {(p.bits, None if p.zero_points is None else p.zero_points.dtype.str, p.k) for p in parts}
+    if len(layouts) > 1:
+        raise ValueError(
+            f"columns of different MatMulNBits layouts (bits, zero points, K): {sorted(map(str, layouts))}"
+        )
+    zero_points = None if first.zero_points is None else np.concatenate([p.zero_points for p in parts])
+    return NBitsWeight(
+        first.bits,
+        np.concatenate([p.packed for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        zero_points,
+        all(p.exact for p in parts),
+    )
+
+
+def deviation(weight: NBitsWeight, kind: str, raw: np.ndarray) -> dict:
+    """How far `weight` is from gguf.quants.dequantize of the same rows: whether it is identical, the largest
+    absolute difference and the largest in the GGUF's own steps (|d| of each block; blocks with d = 0 count in
+    the absolute figure only). Compared a slab of rows at a time (CHECK_SLAB_BYTES of float32 each)."""
+    import gguf
+
+    identical, max_abs, max_steps = True, 0.0, 0.0
+    slab = max(1, CHECK_SLAB_BYTES // (4 * weight.k))
+    for start in range(0, weight.n, slab):
+        rows, part = raw[start : start + slab], weight.rows(start, start + slab)
+        want = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind]).reshape(part.n, -1)  # [rows, K]
+        ours = part.dequantize().T
+        identical = identical and bool(np.array_equal(ours, want))
+        diff = np.abs(ours - want).reshape(part.n, -1, GGUF_BLOCK).max(-1)  # [rows, blocks]
+        blocks = rows.reshape(part.n, -1, BLOCK_BYTES[kind])
+        step = np.abs(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            steps = np.where(step > 0, diff / np.where(step > 0, step, 1), 0)
+        max_abs, max_steps = max(max_abs, float(diff.max())), max(max_steps, float(steps.max()))
+    return {"identical": identical, "max_abs": max_abs, "max_steps": max_steps}
+
+
+class GGUFRecipeError(ModelFileError):
+    """The GGUF recipe cannot take this artifact's weights from its GGUF as they are (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Output columns [start, stop) of a MatMul's B: rows `rows` of GGUF tensor `tensor` (torch weight `weight`)."""
+
+    weight: str
+    tensor: str
+    rows: tuple[int, int] | None
+    start: int
+    stop: int
+
+
+def plan_matmuls(
+    matmuls: dict[str, tuple[int, int]],
+    float32: set[str],
+    weight_map: dict,
+    folded: dict[str, str],
+    head_b: str | None,
+    sources: dict,
+    tensors: dict,
+) -> dict[str, list[Piece]]:
+    """{B: its pieces in column order} for every MatMul weight of the prepared graph (`matmuls`: {B: (K, N)}).
+
+    A B is found through the weight map (a weight stored transposed as B, or as a column slice of a fused B, or
+    whose initializer was folded into B by prepare_proto) or, for the head, `head_b` (the transposed copy the
+    export folded, found by its values). `sources` is gguf_sources of the file, `tensors` its GGUFTensors.
+    GGUFRecipeError when a B is not float32, not covered exactly by model weights, or comes from a tensor of
+    a type or shape its blocks cannot be taken from."""
+    placed: dict[str, dict[tuple[int, int], Piece]] = {b: {} for b in matmuls}
+
+    def place(b, name, start, stop):
+        source = sources.get(name)
+        if source is None:
+            raise GGUFRecipeError(
+                f"MatMul weight {b!r} holds {name!r}, which the GGUF import does not read from a tensor"
+            )
+        placed[b].setdefault((start, stop), Piece(name, source.tensor, source.rows, start, stop))
+
+    for name, entry in weight_map.items():
+        location, transpose = entry["initializer"], bool(entry.get("transpose"))
+        if location not in matmuls and folded.get(location) in matmuls and not entry.get("slice"):
+            location, transpose = folded[location], not transpose
+        if location not in matmuls:
+            continue  # a norm gain, a bias, the embedding Gather's table
+        columns = entry.get("slice") or [1, 0, matmuls[location][1]]
+        if not transpose or columns[0] != 1:
+            raise GGUFRecipeError(f"weight {name!r} is stored in MatMul weight {location!r} in a layout other than W^T")
+        place(location, name, columns[1], columns[2])
+    if head_b in matmuls and not placed[head_b]:
+        place(head_b, "lm_head.weight", 0, matmuls[head_b][1])
+    return {b: _checked_pieces(b, matmuls[b], b in float32, placed[b], tensors) for b in matmuls}
+
+
+def _checked_pieces(b: str, shape: tuple[int, int], is_float32: bool, placed: dict, tensors: dict) -> list[Piece]:
+    """`placed`'s pieces of B in column order, once they tile its columns with rows of one mappable GGUF type."""
+    k, n = shape
+    pieces = sorted(placed.values(), key=lambda piece: (piece.start, piece.stop))
+    if not pieces:
+        raise GGUFRecipeError(f"MatMul weight {b!r} holds no weight the GGUF import read")
+    if [p.start for p in pieces] != [0] + [p.stop for p in pieces[:-1]] or pieces[-1].stop != n:
+        raise GGUFRecipeError(f"MatMul weight {b!r}'s columns are not covered once each by the model's weights")
+    kinds = set()
+    for piece in pieces:
+        tensor = tensors[piece.tensor]
+        kind, rows = tensor.tensor_type.name, piece.rows or (0, tensor.shape[0])
+        if kind not in GGUF_NBITS_TYPES + GGUF_FLOAT_TYPES:
+            raise GGUFRecipeError(
+                f"tensor {piece.tensor!r} is {kind}, which MatMulNBits cannot hold as it is "
+                f"(taken as they are: {', '.join(GGUF_NBITS_TYPES)}; kept float: {', '.join(GGUF_FLOAT_TYPES)})"
+            )
+        if len(tensor.shape) != 2 or tensor.shape[1] != k or rows[1] - rows[0] != piece.stop - piece.start:
+            raise GGUFRecipeError(
+                f"tensor {piece.tensor!r} {tensor.shape} does not match MatMul weight {b!r} [{k}, {n}]"
+            )
+        kinds.add(kind)
+    if kinds - set(GGUF_FLOAT_TYPES) and not is_float32:
+        raise GGUFRecipeError(f"MatMul weight {b!r} is not float32; the GGUF recipe quantizes a float32 export")
+    if len(kinds) > 1 and kinds - set(GGUF_FLOAT_TYPES):
+        raise GGUFRecipeError(f"MatMul weight {b!r} fuses tensors of different GGUF types ({', '.join(sorted(kinds))})")
+    return pieces
+
+
+def piece_kind(piece: Piece, tensors: dict) -> str:
+    return tensors[piece.tensor].tensor_type.name
+
+
+def piece_bytes(piece: Piece, tensors: dict) -> np.ndarray:
+    """The GGUF bytes of a piece's rows ([rows, row bytes] uint8, a view of the file)."""
+    data = tensors[piece.tensor].data
+    return data if piece.rows is None else data[piece.rows[0] : piece.rows[1]]

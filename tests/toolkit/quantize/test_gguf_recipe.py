@@ -1,0 +1,268 @@
+"""`toolkit quantize --recipe gguf`: a GGUF import's MatMul weights taken from the file's blocks as they are.
+
+Tiny GGUF files (Q4_0, Q8_0, Q4_1; widths multiples of 32) are written with gguf.GGUFWriter by the
+checkpoint tests' helpers, exported with `toolkit export --from` and quantized through the CLI. The oracles
+are independent of exporters/gguf_blocks.py: gguf.GGUFReader and gguf.quants.dequantize read the file, and
+test_quantize.mnb_dequantize (written from the com.microsoft MatMulNBits spec) reads the graph.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from models.artifacts import open_artifact
+from runners.eager import model_from_artifact
+from tests.optional import import_or_skip
+from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits
+from tests.toolkit.test_cli import assert_user_error, invoke
+
+gguf = import_or_skip("gguf", "GGUF test files are written with the gguf library")
+import_or_skip("transformers", "the tiny GGUF files are written from a random transformers Llama")
+from tests.models import test_checkpoints as checkpoints  # noqa: E402
+from tests.models.test_checkpoints import gguf_llama, write_gguf  # noqa: E402
+
+pytestmark = pytest.mark.slow
+bpe = checkpoints.bpe  # the fixture: a small byte-level BPE vocabulary
+Q = gguf.GGMLQuantizationType
+EXACT = ("q4_0", "q4_0-ort", "q8_0")
+# name: (matrix type, tied head, lowering, per-tensor types, quantize arguments)
+CASES = {
+    "q4_0": (Q.Q4_0, True, "functions", None, ("--recipe", "gguf", "--bits", 4)),
+    # SmolLM2's mix: 4-bit projections, a Q8_0 embedding that is also the head; fused QKV and gate/up columns
+    "q4_0-ort": (Q.Q4_0, True, "ort", {"token_embd.weight": Q.Q8_0}, ("--recipe", "gguf")),
+    "q8_0": (Q.Q8_0, False, "functions", None, ("--recipe", "gguf")),
+    "q4_1": (Q.Q4_1, True, "functions", None, ("--recipe", "gguf", "--bits", 4)),
+}
+Q4_1_GRID_STEPS = 1 / 32  # the int8 grid's bound, in Q4_1 steps (d), for blocks that span zero (all here)
+
+
+def export(gguf_file, out, lowering="functions"):
+    result = invoke("export", "--from", gguf_file, "--lowering", lowering, "--out", out)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory, bpe):
+    """{name: (gguf file, float artifact, quantized artifact, quantize's stdout)}."""
+    root = tmp_path_factory.mktemp("gguf_recipe")
+    out = {}
+    for seed, (name, (qtype, tie, lowering, types, arguments)) in enumerate(CASES.items()):
+        path = root / f"{name}.gguf"
+        write_gguf(path, gguf_llama(bpe, tie=tie, seed=seed), bpe, qtype=qtype, types=types)
+        source = export(path, root / f"float-{name}", lowering)
+        result = invoke("quantize", source, *arguments, "--out", root / f"q-{name}", "--greedy-tokens", 4)
+        assert result.exit_code == 0, (result.output, result.exception)
+        out[name] = (path, open_artifact(source), open_artifact(root / f"q-{name}"), result.stdout)
+    return out
+
+
+def gguf_matrices(path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{tensor name: (values [N, K] float32, each value's GGUF step |d| [N, K])} of every quantized matrix, read by
+    gguf.GGUFReader and dequantized by gguf.quants."""
+    out = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if tensor.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+            continue
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        raw = np.asarray(tensor.data).reshape(-1, gguf.GGML_QUANT_SIZES[tensor.tensor_type][1])
+        step = np.abs(raw[:, :2].copy().view(np.float16)[:, 0].astype(np.float64))  # d leads every block
+        out[tensor.name] = (
+            gguf.quants.dequantize(raw, tensor.tensor_type).reshape(shape),
+            np.repeat(step, 32).reshape(shape),
+        )
+    return out
+
+
+def candidates(path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """What a MatMul's B [K, N] may hold: each matrix transposed, and each layer's q|k|v and gate|up side by side
+    (the `ort` lowering's fused initializers)."""
+    matrices = gguf_matrices(path)
+    out = {name: (values.T, step.T) for name, (values, step) in matrices.items()}
+    layers = {name.split(".")[1] for name in matrices if name.startswith("blk.")}
+    for layer in layers:
+        for fused, parts in (("qkv", ("attn_q", "attn_k", "attn_v")), ("gate_up", ("ffn_gate", "ffn_up"))):
+            pieces = [matrices[f"blk.{layer}.{part}.weight"] for part in parts]
+            out[f"blk.{layer}.{fused}"] = tuple(np.concatenate([p[i].T for p in pieces], axis=1) for i in (0, 1))
+    return out
+
+
+def matrix_role(key: str) -> str:
+    """'fused' (a candidate built from a layer's q|k|v or gate|up), 'part' (one of those), 'whole' (any other)."""
+    kind = key.split(".")[2] if key.startswith("blk.") else key
+    if kind in ("qkv", "gate_up"):
+        return "fused"
+    return "part" if kind in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up") else "whole"
+
+
+def nbits_nodes(artifact):
+    proto = onnx.load(str(artifact.model_path))
+    return proto, [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+
+
+# --------------------------------------------------------------------------- the blocks
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matmulnbits_weights_are_the_gguf_values(cases, name):
+    """Every MatMulNBits weight dequantizes (spec oracle) to one GGUF matrix (or fused set) as gguf.quants gives it:
+    bit for bit for Q4_0 and Q8_0, within 1/32 of a step for Q4_1; every GGUF matrix is used once."""
+    path, _, quantized, _ = cases[name]
+    proto, nodes = nbits_nodes(quantized)
+    wanted = candidates(path)
+    used = []
+    for node in nodes:
+        w_hat = mnb_dequantize(proto, node).astype(np.float32)
+        same = {key: value for key, value in wanted.items() if value[0].shape == w_hat.shape}
+        key = min(same, key=lambda k: np.abs(same[k][0] - w_hat).max())
+        values, step = same[key]
+        if name in EXACT:
+            assert np.array_equal(w_hat, values), (node.name, key)
+        else:
+            deviation = np.abs(w_hat.astype(np.float64) - values) / np.where(step > 0, step, np.inf)
+            assert 0 < deviation.max() <= Q4_1_GRID_STEPS * (1 + 1e-6), (node.name, key, deviation.max())
+        used.append(key)
+    expected = {key for key in wanted if matrix_role(key) in ("whole", "fused" if CASES[name][2] == "ort" else "part")}
+    expected -= {"token_embd.weight"} if not CASES[name][1] else set()  # untied: the embedding is only gathered
+    assert sorted(used) == sorted(expected)
+    bits = {a.i for n in nodes for a in n.attribute if a.name == "bits"}
+    assert bits == {"q4_0": {4}, "q4_0-ort": {4, 8}, "q8_0": {8}, "q4_1": {8}}[name]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_eager_reference_is_the_float_artifact(cases, name):
+    """The quantized artifact's eager reference (its dequantized weights) is the float artifact's model: equal
+    parameters for exact mappings, within 1/32 of a Q4_1 step otherwise; and the manifest says which."""
+    _, source, quantized, _ = cases[name]
+    floats = model_from_artifact(source).state_dict()
+    rebuilt = model_from_artifact(quantized).state_dict()
+    assert floats.keys() == rebuilt.keys()
+    differ = [key for key in floats if not torch.equal(floats[key], rebuilt[key])]
+    if name in EXACT:
+        assert differ == []
+    else:
+        assert differ and all(key.endswith(("proj.weight", "lm_head.weight")) for key in differ)
+    report = quantized.manifest.quantization
+    assert (report["recipe"], report["algorithm"]) == ("gguf", "gguf")
+    assert report["gguf"]["path"] == str(cases[name][0].resolve())
+    tensors = report["gguf"]["tensors"]
+    for tensor in tensors.values():
+        if tensor["type"] in ("Q4_0", "Q8_0"):
+            assert tensor["exact"] and tensor["identical"] and tensor["max_steps"] == 0
+        else:
+            assert not tensor["exact"] and 0 < tensor["max_steps"] <= Q4_1_GRID_STEPS
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_quality_against_the_float_artifact(cases, name):
+    """ONNX Runtime logits of the quantized artifact against the float one: float32 kernel rounding apart for an
+    exact mapping (greedy agreement 100 %, the same perplexity); a small, non-zero change for Q4_1."""
+    _, source, quantized, stdout = cases[name]
+    want, got = ort_logits(source), ort_logits(quantized)
+    error = np.abs(got - want).max() / np.abs(want).max()
+    quality = quantized.manifest.quantization["quality"]
+    if name in EXACT:
+        assert error <= 1e-4, error
+        assert quality["greedy_agreement"] == 1.0
+        assert quality["perplexity_quantized"] == pytest.approx(quality["perplexity_float"], rel=1e-4)
+    else:
+        assert 0 < error <= 1e-2, error
+    assert "from the GGUF's blocks as they are" in stdout and "re-rounded" not in stdout
+    assert ("no fast float32-activation kernel" in stdout) == (name != "q4_0")  # 8-bit weights at level 0
+
+
+@pytest.mark.parametrize("name", ["q4_0-ort", "q4_1"])
+def test_check_passes_on_the_quantized_artifact(cases, name):
+    result = invoke("check", cases[name][2].directory, "--backends", "eager,ort-cpu", "--decode-steps", 2)
+    assert result.exit_code == 0 and "RESULT: PASS" in result.output, result.output
+
+
+# --------------------------------------------------------------------------- choices and refusals
+
+
+def test_the_default_re_rounds_and_points_at_the_recipe(cases, tmp_path):
+    """Without --recipe a GGUF export is re-rounded (rtn) and the command names the recipe that keeps its blocks;
+    --recipe gguf refuses a width the file does not have, and a block size of its own."""
+    _, source, _, _ = cases["q4_0"]
+    result = invoke("quantize", source.directory, "--bits", 8, "--out", tmp_path / "q8", "--greedy-tokens", 2)
+    assert result.exit_code == 0, result.output
+    assert "--recipe gguf takes its weights from the file's blocks" in result.stdout
+    made = open_artifact(tmp_path / "q8").manifest.quantization
+    assert (made["recipe"], made["bits"]) == ("rtn", 8) and "gguf" not in made
+    assert_user_error(
+        invoke("quantize", source.directory, "--recipe", "gguf", "--bits", 8, "--out", tmp_path / "q"),
+        "--bits 8:",
+        "Q4_0, 4-bit",
+    )
+    assert_user_error(
+        invoke("quantize", source.directory, "--recipe", "gguf", "--block-size", 64, "--out", tmp_path / "q"),
+        "--block-size 64 with --recipe gguf",
+    )
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_explicit_algorithm_re_rounds_a_gguf_artifact(cases, tmp_path):
+    _, source, _, _ = cases["q4_0"]
+    result = invoke("quantize", source.directory, "--bits", 4, "--algorithm", "rtn", "--out", tmp_path / "q")
+    assert result.exit_code == 0 and "(block 32, rtn," in result.stdout and "--recipe gguf" not in result.stdout
+
+
+def test_a_missing_or_changed_gguf_is_refused(cases, tmp_path):
+    path, _, _, _ = cases["q4_0"]
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(path, copy)
+    source = export(copy, tmp_path / "float")
+    with open(copy, "r+b") as handle:  # one byte of the last tensor changed
+        handle.seek(-1, 2)
+        last = handle.read(1)
+        handle.seek(-1, 2)
+        handle.write(bytes([last[0] ^ 1]))
+    assert_user_error(invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"), "differs from")
+    copy.unlink()
+    assert_user_error(invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"), "is not there")
+    assert not (tmp_path / "q").exists()
+
+
+def test_an_unmappable_type_is_refused(tmp_path, bpe):
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, gguf_llama(bpe, seed=9), bpe, qtype=Q.Q4_0, types={"blk.0.ffn_down.weight": Q.Q5_0})
+    source = export(path, tmp_path / "float")
+    assert_user_error(
+        invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"),
+        "'blk.0.ffn_down.weight' is Q5_0, which MatMulNBits cannot hold as it is",
+    )
+
+
+def test_a_non_gguf_artifact_is_refused_by_the_gguf_recipe(tmp_path):
+    config = tmp_path / "config.json"
+    small = {"vocab_size": 64, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 64}
+    config.write_text(json.dumps({"family": "llama", "seed": 0, "config": small}))
+    assert invoke("export", "--config", config, "--variant", "serving", "--out", tmp_path / "float").exit_code == 0
+    assert_user_error(
+        invoke("quantize", tmp_path / "float", "--recipe", "gguf", "--out", tmp_path / "q"),
+        "was not exported from a GGUF file",
+    )
+    assert_user_error(invoke("quantize", tmp_path / "float", "--out", tmp_path / "q"), "--bits is required")
+
+
+def test_float_gguf_tensors_stay_float_matmuls(tmp_path, bpe):
+    """An F16 head beside Q8_0 projections: the head stays a float MatMul (what llama.cpp computes with it)."""
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, gguf_llama(bpe, seed=3), bpe, qtype=Q.Q8_0, types={"output.weight": Q.F16})
+    source = export(path, tmp_path / "float")
+    result = invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q", "--greedy-tokens", 2)
+    assert result.exit_code == 0, result.output
+    quantized = open_artifact(tmp_path / "q")
+    assert quantized.manifest.quantization["gguf"]["tensors"]["output.weight"] == {
+        "type": "F16",
+        "kept": "float MatMul",
+    }
+    proto, nodes = nbits_nodes(quantized)
+    assert len(nodes) == 7 * 2 and sum(n.op_type == "MatMul" for n in proto.graph.node) > 0
+    assert quantized.manifest.quantization["quality"]["greedy_agreement"] == 1.0
