@@ -6,8 +6,13 @@ MatMulNBits' B ([N, blocks, blob]: one row of blocks per output column), so each
     Q4_0  w = d * (q - 8), q 4-bit   -> 4-bit, block 32, scale d, default zero point 8: bit for bit.
           GGUF packs element j with element j + 16 in byte j; MatMulNBits packs 2i (low) with 2i + 1 (high).
     Q8_0  w = d * q, q int8          -> 8-bit, block 32, u = q + 128, default zero point 128: bit for bit.
-    Q4_1  w = d * q + m              -> no uint8 zero point holds -m/d, so one of two layouts:
-          "int8-grid" (default): 8-bit, scale d/k (k the largest power of two <= 16 whose grid reaches m, so
+    Q4_1  w = d * q + m              -> no uint8 zero point holds -m/d, so one of three layouts:
+          "offsets" (default): 4-bit, scale d, zero point 8, and each block's m + 8d added beside MatMulNBits
+          as (the sum of the activations over the block) * (m + 8d), a [blocks, N] MatMul
+          (exporters/quantize.py _with_offsets): the GGUF's values bit for bit (see _q4_1_offsets), the
+          arithmetic of llama.cpp's own Q4_1 x Q8_1 dot product (its Q8_1 blocks carry their sums for the
+          same term), at 4-bit speed plus the small MatMul.
+          "int8-grid": 8-bit, scale d/k (k the largest power of two <= 16 whose grid reaches m, so
           s is exact) and u = k * q + round(m/s) + z; off by at most s/2 = d/32 (k = 16) of a Q4_1 step.
           "float-zero-points": 4-bit, scale d, float zero point -m/d; off by float32 rounding only, but ONNX
           Runtime's CPU kernel has no fast path for float zero points at any accuracy level, while 8-bit
@@ -30,7 +35,7 @@ GGUF_BLOCK = 32  # values per block of Q4_0, Q4_1 and Q8_0
 GGUF_NBITS_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types taken as MatMulNBits blocks
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")  # kept as float MatMuls
 GGUF_TYPE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # the width the GGUF stores each value at
-Q4_1_LAYOUTS = ("int8-grid", "float-zero-points")
+Q4_1_LAYOUTS = ("offsets", "int8-grid", "float-zero-points")
 # Bytes of one block: fp16 scale (and Q4_1's fp16 minimum), then the values.
 BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 4 + 16, "Q8_0": 2 + 32}
 GRID_MULTIPLES = (1, 2, 4, 8, 16)  # Q4_1 on the 8-bit grid: scale d/k, exact in float32 for a power of two k
@@ -39,13 +44,15 @@ GRID_MULTIPLES = (1, 2, 4, 8, 16)  # Q4_1 on the 8-bit grid: scale d/k, exact in
 @dataclass
 class NBitsWeight:
     """A MatMulNBits B for N output columns: packed [N, blocks, blob] uint8, scales [N * blocks] float32, zero points
-    None (the default 2^(bits-1)), uint8 (one per block at 8 bits) or float32 [N * blocks]."""
+    None (the default 2^(bits-1)), uint8 (one per block at 8 bits, two per byte at 4) or float32 [N * blocks];
+    offsets None or float32 [N * blocks], added to every value of their block (Q4_1's minimum)."""
 
     bits: int
     packed: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None
     exact: bool  # bit for bit the GGUF's dequantized values
+    offsets: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -63,16 +70,20 @@ class NBitsWeight:
         """Output columns [start, stop) of this weight (its rows of blocks, scales and zero points)."""
         zero_points = None if self.zero_points is None else self.zero_points.reshape(self.n, -1)[start:stop].reshape(-1)
         scales = self.scales.reshape(self.n, -1)[start:stop].reshape(-1)
-        return NBitsWeight(self.bits, self.packed[start:stop], scales, zero_points, self.exact)
+        offsets = None if self.offsets is None else self.offsets.reshape(self.n, -1)[start:stop].reshape(-1)
+        return NBitsWeight(self.bits, self.packed[start:stop], scales, zero_points, self.exact, offsets)
 
     def dequantize(self) -> np.ndarray:
-        """[K, N] float32, as MatMulNBits' contract defines it."""
-        return dequantize_nbits(
+        """[K, N] float32, as MatMulNBits' contract defines it (plus the offsets)."""
+        weight = dequantize_nbits(
             self.packed, self.scales, self.zero_points, bits=self.bits, block_size=self.block_size, k=self.k, n=self.n
         )
+        if self.offsets is not None:
+            weight += np.repeat(self.offsets.reshape(self.n, -1).T, self.block_size, axis=0)
+        return weight
 
 
-def to_nbits(kind: str, raw: np.ndarray, q4_1: str = "int8-grid") -> NBitsWeight:
+def to_nbits(kind: str, raw: np.ndarray, q4_1: str = "offsets") -> NBitsWeight:
     """The MatMulNBits weight of GGUF rows `raw` ([N, row bytes] uint8, whole blocks of type `kind`)."""
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, BLOCK_BYTES[kind])
@@ -85,6 +96,8 @@ def to_nbits(kind: str, raw: np.ndarray, q4_1: str = "int8-grid") -> NBitsWeight
     if kind == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         q = _gguf_nibbles(blocks[..., 4:])
+        if q4_1 == "offsets":
+            return _q4_1_offsets(q, d, m)
         if q4_1 == "float-zero-points":
             return _q4_1_float_zero_points(q, d, m)
         return _q4_1_grid(q, d, m)
@@ -99,6 +112,18 @@ def _gguf_nibbles(qs: np.ndarray) -> np.ndarray:
 def _pack4(values: np.ndarray) -> np.ndarray:
     """MatMulNBits' 4-bit packing of [..., 32] values: element 2i in the low nibble of byte i, 2i + 1 high."""
     return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def _q4_1_offsets(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> NBitsWeight:
+    """4-bit, scale d, the default zero point 8, offset c = m + 8d: d (q - 8) + c. The zero point centres the
+    integer part as Q4_0's does, so that int8 activations (accuracy level 4) round against the weights' own
+    spread rather than against d q, up to 16 d away from them. Every term is an fp16 value times a small
+    integer, so d (q - 8) + c equals gguf.quants' d q + m exactly in float32 unless d and m are more than
+    about 2^9 apart in magnitude; `exact` says whether every value of this tensor is."""
+    c = m + np.float32(8) * d
+    rebuilt = d[..., None] * (q.astype(np.float32) - np.float32(8)) + c[..., None]
+    exact = bool(np.array_equal(rebuilt, d[..., None] * q.astype(np.float32) + m[..., None]))
+    return NBitsWeight(4, _pack4(q), d.reshape(-1), None, exact, c.reshape(-1))
 
 
 def _q4_1_float_zero_points(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> NBitsWeight:
@@ -145,18 +170,24 @@ def concat_columns(parts: list[NBitsWeight]) -> NBitsWeight:
     first = parts[0]
     if len(parts) == 1:
         return first
-    layouts = {(p.bits, None if p.zero_points is None else p.zero_points.dtype.str, p.k) for p in parts}
+    layouts = {
+        (p.bits, None if p.zero_points is None else p.zero_points.dtype.str, p.offsets is not None, p.k) for p in parts
+    }
     if len(layouts) > 1:
         raise ValueError(
-            f"columns of different MatMulNBits layouts (bits, zero points, K): {sorted(map(str, layouts))}"
+            f"columns of different MatMulNBits layouts (bits, zero points, offsets, K): {sorted(map(str, layouts))}"
         )
-    zero_points = None if first.zero_points is None else np.concatenate([p.zero_points for p in parts])
+
+    def joined(field):
+        return None if getattr(first, field) is None else np.concatenate([getattr(p, field) for p in parts])
+
     return NBitsWeight(
         first.bits,
         np.concatenate([p.packed for p in parts]),
         np.concatenate([p.scales for p in parts]),
-        zero_points,
+        joined("zero_points"),
         all(p.exact for p in parts),
+        joined("offsets"),
     )
 
 

@@ -43,6 +43,10 @@ FLOAT_TYPES = (1, 10, 16)  # TensorProto FLOAT, FLOAT16, BFLOAT16
 HEAD = "lm_head.weight"  # the vocabulary projection in every decoder family (models/llama.py, models/gpt.py)
 MS_DOMAIN = "com.microsoft"  # MatMulNBits' domain (opset 1)
 CHECK_SLAB_BYTES = 1 << 26  # float32 bytes of a dequantized weight compared at a time (quantized_weight_map)
+# The initializers a MatMulNBits weight's spec names: B, scales, zero points and (the GGUF recipe's Q4_1 layout)
+# per-block offsets added through a block-sum MatMul beside it.
+SPEC_PARTS = ("weight", "scales", "zero_points", "offsets")
+OFFSETS = "_offsets"  # suffix of the offsets initializer of MatMul weight B: f"{B}{OFFSETS}", [blocks, N] float32
 
 
 class GraphWeights:
@@ -181,6 +185,9 @@ def quantize_proto_blocks(proto, weights: GraphWeights, blocks, *, accuracy_leve
     `b`, built when asked (one at a time), or None to keep that MatMul float."""
     import onnx
 
+    ranks = _input_ranks(proto)
+    block_sums: dict[tuple[str, int], list] = {}  # {(A, K): the nodes summing A's blocks} shared by its MatMuls
+
     def replace(node, b):
         weight = blocks(b)
         if weight is None:
@@ -194,17 +201,86 @@ def quantize_proto_blocks(proto, weights: GraphWeights, blocks, *, accuracy_leve
         attributes = {"K": weight.k, "N": weight.n, "bits": weight.bits, "block_size": weight.block_size}
         if accuracy_level:
             attributes["accuracy_level"] = accuracy_level
-        made = onnx.helper.make_node(
-            "MatMulNBits",
-            [node.input[0], *names],
-            list(node.output),
-            name=f"{node.name}_Q{weight.bits}",
-            domain=MS_DOMAIN,
-            **attributes,
-        )
-        return [made]
+        outputs = list(node.output) if weight.offsets is None else [f"{node.output[0]}_nbits"]
+        made = [
+            onnx.helper.make_node(
+                "MatMulNBits",
+                [node.input[0], *names],
+                outputs,
+                name=f"{node.name}_Q{weight.bits}",
+                domain=MS_DOMAIN,
+                **attributes,
+            )
+        ]
+        if weight.offsets is not None:
+            made = _with_offsets(proto, weights, node, b, weight, made, ranks, block_sums)
+        return made
 
     return _rewrite_matmuls(proto, weights, replace, accuracy_level)
+
+
+def _with_offsets(proto, weights, node, b: str, weight, made: list, ranks: dict, block_sums: dict) -> list:
+    """`made` (the MatMulNBits node) plus what adds the per-block offsets: y = A B' + sum_blocks(A) C, with C
+    ([blocks, N], initializer f"{b}{OFFSETS}") the offset of each block of each output column. MatMulNBits
+    holds only an integer zero point per block; the sums of A over each block, times C, add the float part.
+    The block sums of one A are computed once for all its MatMuls: a Reshape to [..., blocks, block] and a
+    ReduceSum where A's rank is known, else a MatMul with a 0/1 [K, blocks] matrix."""
+    import onnx
+
+    a, k, block = node.input[0], weight.k, weight.block_size
+    blocks = k // block
+    key = (a, k)
+    if key not in block_sums:
+        sums = f"{a}_block_sums{block}"
+        rank = ranks.get(a)
+        if rank is not None and rank >= 2:
+            shape = f"{b}_block_shape"
+            _hold(proto, weights, shape, np.array([0] * (rank - 1) + [blocks, block], dtype=np.int64))
+            axis = f"{b}_block_axis"
+            _hold(proto, weights, axis, np.array([-1], dtype=np.int64))
+            block_sums[key] = [
+                onnx.helper.make_node("Reshape", [a, shape], [f"{sums}_blocks"], name=f"{node.name}_blocks"),
+                onnx.helper.make_node(
+                    "ReduceSum", [f"{sums}_blocks", axis], [sums], name=f"{node.name}_block_sums", keepdims=0
+                ),
+            ]
+        else:
+            ones = f"{b}_block_ones"
+            indicator = np.zeros((k, blocks), dtype=np.float32)
+            indicator[np.arange(k), np.arange(k) // block] = 1
+            _hold(proto, weights, ones, indicator)
+            block_sums[key] = [onnx.helper.make_node("MatMul", [a, ones], [sums], name=f"{node.name}_block_sums")]
+        made = block_sums[key] + made
+    sums = block_sums[key][-1].output[0]
+    offsets = f"{b}{OFFSETS}"
+    _hold(proto, weights, offsets, np.ascontiguousarray(weight.offsets.reshape(weight.n, blocks).T))
+    return made + [
+        onnx.helper.make_node("MatMul", [sums, offsets], [f"{node.output[0]}_offsets"], name=f"{node.name}_offsets"),
+        onnx.helper.make_node(
+            "Add",
+            [made[-1].output[0], f"{node.output[0]}_offsets"],
+            list(node.output),
+            name=f"{node.name}_plus_offsets",
+        ),
+    ]
+
+
+def _input_ranks(proto) -> dict[str, int]:
+    """{value name: rank} where shape inference of the weightless graph knows it."""
+    import onnx
+
+    from artifact.protobuf import weightless
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(weightless(proto))
+    except Exception:  # noqa: BLE001 - ranks are an optimisation; without them the block sums take a MatMul
+        return {}
+    values = [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]
+    return {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in values
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+    }
 
 
 def _hold(proto, weights: GraphWeights, name: str, array: np.ndarray) -> None:
@@ -358,7 +434,11 @@ def quantized_weight_map(
     algorithm's bound where given (the GGUF recipe's blocks, of any width, are named `<name>_Q<their bits>`).
     """
     names = {init.name for init in quantized.graph.initializer}
-    specs = {quantized_spec(n)["weight"]: quantized_spec(n) for n in quantized.graph.node if n.op_type == "MatMulNBits"}
+    specs = {
+        quantized_spec(n, names)["weight"]: quantized_spec(n, names)
+        for n in quantized.graph.node
+        if n.op_type == "MatMulNBits"
+    }
     mapping = {}
     for name, entry in source_map.items():
         location, transpose = entry["initializer"], bool(entry.get("transpose"))
@@ -389,7 +469,7 @@ def quantized_weight_map(
         if "quantized" in chosen:
             spec = chosen["quantized"]
             weight = torch_weight(source, entry) if weight is None else weight
-            parts = {key: arrays.array(spec[key]) for key in ("weight", "scales", "zero_points") if key in spec}
+            parts = {key: arrays.array(spec[key]) for key in SPEC_PARTS if key in spec}
             # Round-to-nearest is off by at most half a step (0.51 absorbs float32 rounding of the scale); HQQ
             # moves scale and zero point to lower the overall error, so only the block's range bounds it.
             bound = 0.51 if algorithm == "rtn" else 2.0**bits
@@ -447,10 +527,15 @@ def _columns(parts: dict, spec: dict, start: int, stop: int) -> dict:
     """{initializer name: array} of output columns [start, stop) of a MatMulNBits weight, keyed as `spec` names
     them (its B, scales and zero points are laid out one row per output column)."""
     n = spec["N"]
-    return {spec[key]: array.reshape(n, -1)[start:stop] for key, array in parts.items()}
+    return {
+        spec[key]: array[:, start:stop] if key == "offsets" else array.reshape(n, -1)[start:stop]
+        for key, array in parts.items()
+    }
 
 
-def quantized_spec(node) -> dict:
+def quantized_spec(node, initializers=()) -> dict:
+    """The MatMulNBits node's weight: its initializers (SPEC_PARTS; offsets where `initializers`, the graph's
+    initializer names, hold f"{B}{OFFSETS}" for its B) and attributes."""
     attrs = {a.name: a.i for a in node.attribute}
     spec = {
         "weight": node.input[1],
@@ -462,6 +547,9 @@ def quantized_spec(node) -> dict:
     }
     if len(node.input) > 3 and node.input[3]:
         spec["zero_points"] = node.input[3]
+    base = node.input[1].rsplit("_Q", 1)[0]
+    if f"{base}{OFFSETS}" in initializers:
+        spec["offsets"] = f"{base}{OFFSETS}"
     return spec
 
 
@@ -474,8 +562,8 @@ def dequantize_weight(initializers: dict, spec: dict) -> np.ndarray:
         value = initializers[name]
         return value if isinstance(value, np.ndarray) else numpy_helper.to_array(value)
 
-    zero_points = spec.get("zero_points")
-    return dequantize_nbits(
+    zero_points, offsets = spec.get("zero_points"), spec.get("offsets")
+    weight = dequantize_nbits(
         array(spec["weight"]),
         array(spec["scales"]),
         None if zero_points is None else array(zero_points),
@@ -484,6 +572,9 @@ def dequantize_weight(initializers: dict, spec: dict) -> np.ndarray:
         k=spec["K"],
         n=spec["N"],
     ).astype(np.float32, copy=False)
+    if offsets is not None:  # [blocks, N]: each block's offset added to its K rows
+        weight += np.repeat(array(offsets).astype(np.float32), spec["block_size"], axis=0)[: spec["K"]]
+    return weight
 
 
 def dequantize_nbits(

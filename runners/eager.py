@@ -16,7 +16,7 @@ from onnx import numpy_helper
 
 from artifact import Artifact, GraphArtifact, validate_onnx
 from artifact.errors import ExternalDataError, ModelFileError
-from exporters.quantize import dequantize_weight
+from exporters.quantize import SPEC_PARTS, dequantize_weight
 from models.artifacts import artifact_config
 from models.registry import build_model, get_family
 from runners.base import Runner, check_feed
@@ -197,7 +197,7 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                 )
             if place.quantized:  # a `toolkit quantize` artifact: the reference uses the dequantized weight
                 spec = place.quantized
-                parts = [spec[key] for key in ("weight", "scales", "zero_points") if key in spec]
+                parts = [spec[key] for key in SPEC_PARTS if key in spec]
                 array = dequantize_weight({part: read(part) for part in parts}, spec)
             else:
                 array = read(place.initializer)

@@ -60,6 +60,19 @@ def test_q4_0_and_q8_0_repack_bit_for_bit(kind):
     assert deviation(weight, kind.name, raw) == {"identical": True, "max_abs": 0.0, "max_steps": 0.0}
 
 
+def test_q4_1_with_offsets_is_bit_for_bit():
+    """The default Q4_1 layout: 4-bit q with the default zero point 8 and scale d, plus m + 8d added per block:
+    every value equal to gguf.quants', the constant (d = 0) and far-from-zero blocks included."""
+    raw = gguf.quants.quantize(matrix(), Q.Q4_1)
+    weight = to_nbits("Q4_1", raw)
+    values, _ = gguf_values(raw, Q.Q4_1)
+    assert weight.bits == 4 and weight.exact and weight.zero_points is None
+    offsets = weight.offsets.reshape(weight.n, -1)  # [N, blocks]: m + 8d of each block
+    rebuilt = oracle(weight).T.astype(np.float32) + np.repeat(offsets, 32, axis=1)
+    assert np.array_equal(rebuilt, values)
+    assert deviation(weight, "Q4_1", raw) == {"identical": True, "max_abs": 0.0, "max_steps": 0.0}
+
+
 def test_q4_1_on_the_int8_grid_is_within_a_32nd_of_a_step():
     raw = gguf.quants.quantize(matrix(), Q.Q4_1)
     weight = to_nbits("Q4_1", raw, "int8-grid")

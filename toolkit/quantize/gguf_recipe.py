@@ -92,6 +92,7 @@ class GGUFRecipe:
                 "bits": part.bits,
                 "block_size": part.block_size,
                 "zero_points": "default" if part.zero_points is None else str(part.zero_points.dtype),
+                "offsets": part.offsets is not None,
                 "exact": part.exact,
                 **measured,
             }

@@ -84,7 +84,7 @@ def quantize_artifact(
     accuracy_level: int = 0,
     algorithm: str | None = None,
     recipe: str | None = None,
-    q4_1: str = "int8-grid",
+    q4_1: str = "offsets",
     greedy_tokens: int = GREEDY_TOKENS,
     progress=None,
 ) -> QuantizeResult:
