@@ -105,6 +105,22 @@ def check_memory(weights: tuple[int, str], dtype: str | None, lowering: str) -> 
 )
 @click.option("--triton-instances", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option(
+    "--triton-cache",
+    type=click.Choice(["server", "client"]),
+    default=None,
+    help="Where a language model's KV cache lives between requests. server (the default with a KV cache): "
+    "Triton keeps each sequence's cache as implicit state and clients send only new tokens "
+    "(examples/triton_client.py); client: a stateless model whose clients send the whole cache every step, "
+    "so any replica serves any step.",
+)
+@click.option(
+    "--triton-sequences",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --triton-cache server: the sequences each instance keeps a cache for at once (more wait in "
+    "Triton's backlog). Default: the max batch size, 8.",
+)
+@click.option(
     "--lowering",
     type=click.Choice(LOWERINGS),
     default=DEFAULT_LOWERING,
@@ -144,6 +160,8 @@ def command(
     triton_repo,
     triton_device,
     triton_instances,
+    triton_cache,
+    triton_sequences,
     dtype,
     lowering,
     external_data,
@@ -151,6 +169,8 @@ def command(
     verify,
 ):
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
+    if (triton_cache or triton_sequences) and not triton_repo:
+        raise ConfigError("--triton-cache and --triton-sequences shape the --triton-repo model; give --triton-repo")
     progress = Progress("export", quiet)
     if checkpoint:
         if preset or config_file:
@@ -240,8 +260,18 @@ def command(
             else f"  not verified against the original: {skip}"
         )
     if triton_repo:
-        from exporters.triton import write_triton_repo
+        from exporters.triton import kv_cache_layout, write_triton_repo
 
         name = artifact.manifest.preset or Path(out_dir).name
-        target = write_triton_repo(artifact, triton_repo, name, device=triton_device, instances=triton_instances)
-        click.echo(f"wrote Triton model {name!r} to {target} ({triton_device}, {triton_instances} instance(s))")
+        target = write_triton_repo(
+            artifact,
+            triton_repo,
+            name,
+            device=triton_device,
+            instances=triton_instances,
+            kv_cache=triton_cache,
+            sequences=triton_sequences,
+        )
+        layout = kv_cache_layout(artifact, triton_cache)
+        cache = f", KV cache on the {layout}" if layout else ""
+        click.echo(f"wrote Triton model {name!r} to {target} ({triton_device}, {triton_instances} instance(s){cache})")

@@ -24,11 +24,9 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     "--recipe",
     type=click.Choice(RECIPES),
     help="gguf: take each MatMul weight's blocks from the GGUF the artifact was exported from, as they are "
-    "(Q4_0 -> 4-bit and Q8_0 -> 8-bit bit for bit, Q4_1 -> an 8-bit grid within 1/32 of its step where "
-    "a block spans zero, F16/F32 "
-    "kept float); the file must be where the manifest says, unchanged. rtn, hqq: re-round the float weights "
-    "(as --algorithm). Default: rtn. The gguf recipe's 8-bit and float-zero-point layouts (Q8_0, Q4_1) "
-    "decode fast only with --accuracy-level 4.",
+    "(Q4_0 -> 4-bit and Q8_0 -> 8-bit bit for bit, Q4_1 -> 4-bit plus per-block offsets, bit for bit, "
+    "F16/F32 kept float); the file must be where the manifest says, unchanged. rtn, hqq: re-round the float "
+    "weights (as --algorithm). Default: rtn. 8-bit weights (Q8_0) decode fast only with --accuracy-level 4.",
 )
 @click.option(
     "--block-size",
