@@ -17,8 +17,9 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 @click.option(
     "--bits",
     type=click.Choice([str(b) for b in BITS]),
-    help="Weight bits (required unless --recipe gguf). With the gguf recipe the GGUF decides each tensor's "
-    "layout and --bits must be the file's width (its narrowest quantized MatMul tensor: Q4_0/Q4_1 4, Q8_0 8).",
+    help="Weight bits (required unless the gguf recipe applies). With the gguf recipe the GGUF decides each "
+    "tensor's layout and --bits must be the file's width (its narrowest quantized MatMul tensor: Q4_0/Q4_1 4, "
+    "Q8_0 8).",
 )
 @click.option(
     "--recipe",
@@ -26,7 +27,8 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     help="gguf: take each MatMul weight's blocks from the GGUF the artifact was exported from, as they are "
     "(Q4_0 -> 4-bit and Q8_0 -> 8-bit bit for bit, Q4_1 -> 4-bit plus per-block offsets, bit for bit, "
     "F16/F32 kept float); the file must be where the manifest says, unchanged. rtn, hqq: re-round the float "
-    "weights (as --algorithm). Default: rtn. 8-bit weights (Q8_0) decode fast only with --accuracy-level 4.",
+    "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
+    "at --bits (otherwise rtn, and the command says why); rtn for any other.",
 )
 @click.option(
     "--block-size",
@@ -43,9 +45,9 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 @click.option(
     "--accuracy-level",
     type=click.Choice([str(a) for a in ACCURACY_LEVELS]),
-    default="0",
-    show_default=True,
-    help="MatMulNBits compute: 0 float32 activations, 4 int8 activations (faster).",
+    help="MatMulNBits compute: 0 float32 activations, 4 int8 activations (faster; for rtn and hqq, further "
+    "from the float model). [default: 4 with the gguf recipe, llama.cpp's own int8 activations against "
+    "quantized weights; 0 otherwise]",
 )
 @click.option(
     "--greedy-tokens",
@@ -66,13 +68,14 @@ def command(
         out_dir,
         bits=None if bits is None else int(bits),
         block_size=None if block_size is None else int(block_size),
-        accuracy_level=int(accuracy_level),
+        accuracy_level=None if accuracy_level is None else int(accuracy_level),
         algorithm=algorithm,
         recipe=recipe,
         greedy_tokens=greedy_tokens,
         progress=Progress("quantize", quiet),
     )
     q, made = result.quality, result.artifact.manifest.quantization
+    accuracy_level = made["accuracy_level"]
     for note in result.notes:
         click.echo(note)
     if result.recipe == "gguf":
@@ -81,7 +84,7 @@ def command(
             f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks as they are "
             f"({', '.join(layouts)}; MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
         )
-        if int(accuracy_level) == 0 and _slow_at_level_0(made["gguf"]["tensors"].values()):
+        if accuracy_level == 0 and _slow_at_level_0(made["gguf"]["tensors"].values()):
             click.echo(
                 "note: ONNX Runtime's CPU MatMulNBits has no fast float32-activation kernel for 8-bit or "
                 "float-zero-point weights; --accuracy-level 4 (int8 activations) decodes much faster"

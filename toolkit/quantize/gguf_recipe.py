@@ -17,6 +17,7 @@ from pathlib import Path
 
 from exporters.gguf_blocks import (
     GGUF_FLOAT_TYPES,
+    GGUF_NBITS_TYPES,
     GGUF_TYPE_BITS,
     Q4_1_LAYOUTS,
     GGUFRecipeError,
@@ -59,12 +60,25 @@ class GGUFRecipe:
 
         return blocks
 
-    def _width(self, plan: dict) -> int:
-        """The file's width (its narrowest quantized MatMul tensor's), held to the --bits asked for."""
-        kinds = {piece_kind(p, self.tensors) for pieces in plan.values() for p in pieces}
-        quantized = sorted(kinds - set(GGUF_FLOAT_TYPES))
-        if not quantized:
-            raise GGUFRecipeError(f"{self.path.name} holds no quantized MatMul tensor ({', '.join(sorted(kinds))})")
+    def check_types(self) -> None:
+        """GGUFRecipeError, before any graph is read, when a matrix the import reads is of a type whose blocks
+        MatMulNBits cannot take as they are, or when --bits is not the file's width."""
+        kinds = {}
+        for source in self.sources.values():
+            tensor = self.tensors[source.tensor]
+            if len(tensor.shape) == 2:
+                kinds.setdefault(tensor.tensor_type.name, source.tensor)
+        for kind, name in sorted(kinds.items()):
+            if kind not in GGUF_NBITS_TYPES + GGUF_FLOAT_TYPES:
+                raise GGUFRecipeError(
+                    f"tensor {name!r} is {kind}, which MatMulNBits cannot hold as it is "
+                    f"(taken as they are: {', '.join(GGUF_NBITS_TYPES)}; kept float: {', '.join(GGUF_FLOAT_TYPES)})"
+                )
+        quantized = sorted(set(kinds) - set(GGUF_FLOAT_TYPES))
+        if quantized:
+            self._held_to_bits(quantized)
+
+    def _held_to_bits(self, quantized: list[str]) -> int:
         width = min(GGUF_TYPE_BITS[kind] for kind in quantized)
         if self.wanted_bits is not None and self.wanted_bits != width:
             raise GGUFRecipeError(
@@ -72,6 +86,14 @@ class GGUFRecipe:
                 f"{width}-bit; the gguf recipe keeps them as they are (--bits {width}, or --recipe rtn to re-round)"
             )
         return width
+
+    def _width(self, plan: dict) -> int:
+        """The file's width (its narrowest quantized MatMul tensor's), held to the --bits asked for."""
+        kinds = {piece_kind(p, self.tensors) for pieces in plan.values() for p in pieces}
+        quantized = sorted(kinds - set(GGUF_FLOAT_TYPES))
+        if not quantized:
+            raise GGUFRecipeError(f"{self.path.name} holds no quantized MatMul tensor ({', '.join(sorted(kinds))})")
+        return self._held_to_bits(quantized)
 
     def _convert(self, b: str, pieces: list):
         """The NBitsWeight of MatMul weight `b` (None: its tensors are float and it stays a float MatMul), with a
@@ -138,4 +160,6 @@ def gguf_recipe(source, bits: int | None, q4_1: str) -> GGUFRecipe:
     missing = sorted({s.tensor for s in sources.values()} - set(header.tensors))
     if missing:
         raise GGUFRecipeError(f"{path}: tensor {missing[0]!r} is missing")
-    return GGUFRecipe(path, recorded["sha256"][path.name], header.tensors, sources, bits, q4_1)
+    recipe = GGUFRecipe(path, recorded["sha256"][path.name], header.tensors, sources, bits, q4_1)
+    recipe.check_types()
+    return recipe

@@ -81,7 +81,7 @@ def quantize_artifact(
     *,
     bits: int | None,
     block_size: int | None = None,
-    accuracy_level: int = 0,
+    accuracy_level: int | None = None,
     algorithm: str | None = None,
     recipe: str | None = None,
     q4_1: str = "offsets",
@@ -91,25 +91,28 @@ def quantize_artifact(
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically).
 
     recipe: "gguf" takes each weight's blocks from the GGUF the artifact was exported from, as they are
-    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "rtn" (the default) or
-    "hqq" (also spelled `algorithm`) re-round the float weights at `bits` and `block_size` (default 32); for a
-    GGUF export the result's notes point at the gguf recipe. q4_1: the GGUF recipe's Q4_1 layout
+    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "rtn" or "hqq" (also
+    spelled `algorithm`) re-round the float weights at `bits` and `block_size` (default 32). Unnamed, a GGUF
+    export takes the gguf recipe where the file's blocks can be taken as they are at `bits`, and rtn otherwise
+    (the notes say why); any other artifact takes rtn. accuracy_level: None is the recipe's default, 4 for
+    gguf (int8 activations against the file's blocks: llama.cpp's own arithmetic for quantized weights) and 0
+    (float32 activations) for rtn and hqq. q4_1: the GGUF recipe's Q4_1 layout
     (exporters/gguf_blocks.Q4_1_LAYOUTS). progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
     named = recipe is not None or algorithm is not None
-    recipe = _recipe(recipe, algorithm, block_size, bits)
-    algorithm = "rtn" if recipe == "gguf" else recipe
+    recipe = _recipe(recipe, algorithm, block_size)
     if bits is not None and bits not in BITS:
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    block_size = block_size or 32
-    if algorithm == "hqq" and bits != 4:
+    if recipe in ("rtn", "hqq") and bits is None:
+        raise ConfigError(f"--bits is required with --recipe {recipe}")
+    if recipe == "hqq" and bits != 4:
         raise ConfigError(
             f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
             "CPU MatMulNBits at 4 bits only; use --algorithm rtn for 8 bits"
         )
-    if accuracy_level not in ACCURACY_LEVELS:
+    if accuracy_level is not None and accuracy_level not in ACCURACY_LEVELS:
         raise ConfigError(f"--accuracy-level: expected one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     source = open_artifact(source_dir)
@@ -124,8 +127,16 @@ def quantize_artifact(
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
     check_output_dir(out_dir)  # before the slow part
+    gguf, notes = _gguf_source(source, recipe, bits, q4_1, not named and block_size is None)
+    if gguf is None and bits is None:
+        why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
+        raise ConfigError(f"--bits is required{why}")
+    recipe = "gguf" if gguf is not None else recipe or "rtn"
+    algorithm = "rtn" if recipe == "gguf" else recipe
+    block_size = block_size or 32
+    if accuracy_level is None:
+        accuracy_level = 4 if gguf is not None else 0
 
-    gguf, notes = _gguf_source(source, recipe, bits, q4_1, named)
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, object] = {}
     pending = PendingWeights()  # the quantized graphs' weights, held beside them until written
@@ -217,8 +228,8 @@ def quantize_artifact(
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
 
 
-def _recipe(recipe: str | None, algorithm: str | None, block_size: int | None, bits: int | None) -> str:
-    """The recipe asked for, once --recipe, --algorithm and --block-size agree; rtn when none is named."""
+def _recipe(recipe: str | None, algorithm: str | None, block_size: int | None) -> str | None:
+    """The recipe asked for, once --recipe, --algorithm and --block-size agree; None when none is named."""
     if recipe is not None and recipe not in RECIPES:
         raise ConfigError(f"--recipe: expected one of {', '.join(RECIPES)}, got {recipe!r}")
     if algorithm is not None and algorithm not in ALGORITHMS:
@@ -227,25 +238,29 @@ def _recipe(recipe: str | None, algorithm: str | None, block_size: int | None, b
         raise ConfigError(f"--recipe {recipe} with --algorithm {algorithm}: give one of them")
     if recipe == "gguf" and block_size is not None:
         raise ConfigError(f"--block-size {block_size} with --recipe gguf: the GGUF's blocks decide (32 values each)")
-    if recipe != "gguf" and bits is None:
-        raise ConfigError("--bits is required unless --recipe gguf")
-    return recipe or algorithm or "rtn"
+    return recipe or algorithm
 
 
 def _gguf_source(
-    source: Artifact, recipe: str, bits: int | None, q4_1: str, named: bool
+    source: Artifact, recipe: str | None, bits: int | None, q4_1: str, unnamed: bool
 ) -> tuple[GGUFRecipe | None, list[str]]:
-    """(the GGUF recipe, []) for --recipe gguf (its refusals are errors); otherwise (None, hints): a GGUF export
-    re-rounded by default is pointed at the recipe that keeps its blocks. The recipe is not the default: at
-    ONNX Runtime's default accuracy level its 8-bit and float-zero-point layouts have no fast CPU kernel."""
+    """(the GGUF recipe, notes) for --recipe gguf (its refusals are errors) and, when no recipe, algorithm or
+    block size is named, for a GGUF export whose blocks the recipe takes as they are at `bits`; otherwise
+    (None, notes), the notes saying why a GGUF export is re-rounded."""
     if recipe == "gguf":
         return gguf_recipe(source, bits, q4_1), []
-    if named or (source.manifest.source or {}).get("format") != "gguf":
+    if (source.manifest.source or {}).get("format") != "gguf":
         return None, []
-    return None, [
-        "note: this artifact came from a GGUF file; --recipe gguf takes its weights from the file's blocks as "
-        "they are (the float model's function, for Q4_0/Q8_0 bit for bit) instead of re-rounding them"
-    ]
+    if not unnamed:
+        return None, [
+            "note: this artifact came from a GGUF file; the gguf recipe (the default without --recipe, "
+            "--algorithm or --block-size) takes its weights from the file's blocks as they are instead of "
+            "re-rounding them"
+        ]
+    try:
+        return gguf_recipe(source, bits, q4_1), []
+    except (ModelFileError, ConfigError) as exc:  # GGUFRecipeError, or the file moved or changed since export
+        return None, [f"note: re-rounding with rtn, since the gguf recipe cannot take this GGUF as it is: {exc}"]
 
 
 def _check_language_model(artifact: Artifact) -> None:

@@ -32,12 +32,13 @@ pytestmark = pytest.mark.slow
 bpe = checkpoints.bpe  # the fixture: a small byte-level BPE vocabulary
 Q = gguf.GGMLQuantizationType
 # name: (matrix type, tied head, lowering, per-tensor types, quantize arguments)
+# Float32 activations (--accuracy-level 0), so that an exact mapping is held to float32 kernel rounding.
 CASES = {
-    "q4_0": (Q.Q4_0, True, "functions", None, ("--recipe", "gguf", "--bits", 4)),
+    "q4_0": (Q.Q4_0, True, "functions", None, ("--recipe", "gguf", "--bits", 4, "--accuracy-level", 0)),
     # SmolLM2's mix: 4-bit projections, a Q8_0 embedding that is also the head; fused QKV and gate/up columns
-    "q4_0-ort": (Q.Q4_0, True, "ort", {"token_embd.weight": Q.Q8_0}, ("--recipe", "gguf")),
-    "q8_0": (Q.Q8_0, False, "functions", None, ("--recipe", "gguf")),
-    "q4_1": (Q.Q4_1, True, "functions", None, ("--recipe", "gguf", "--bits", 4)),
+    "q4_0-ort": (Q.Q4_0, True, "ort", {"token_embd.weight": Q.Q8_0}, ("--accuracy-level", 0)),
+    "q8_0": (Q.Q8_0, False, "functions", None, ("--recipe", "gguf", "--accuracy-level", 0)),
+    "q4_1": (Q.Q4_1, True, "functions", None, ("--bits", 4, "--accuracy-level", 0)),
 }
 
 
@@ -193,15 +194,22 @@ def test_check_passes_on_the_quantized_artifact(cases, name):
 # --------------------------------------------------------------------------- choices and refusals
 
 
-def test_the_default_re_rounds_and_points_at_the_recipe(cases, tmp_path):
-    """Without --recipe a GGUF export is re-rounded (rtn) and the command names the recipe that keeps its blocks;
-    --recipe gguf refuses a width the file does not have, and a block size of its own."""
+def test_the_default_takes_the_blocks_where_it_can(cases, tmp_path):
+    """Without --recipe a GGUF export takes the gguf recipe (at accuracy level 4 unless asked otherwise) where the
+    file's blocks fit --bits, and is re-rounded (rtn, level 0) with a note saying why where they do not; --recipe
+    gguf refuses a width the file does not have, and a block size of its own."""
+    for name in ("q4_0-ort", "q4_1"):  # quantized without --recipe
+        assert cases[name][2].manifest.quantization["recipe"] == "gguf"
     _, source, _, _ = cases["q4_0"]
+    result = invoke("quantize", source.directory, "--out", tmp_path / "default", "--greedy-tokens", 2)
+    assert result.exit_code == 0, result.output
+    made = open_artifact(tmp_path / "default").manifest.quantization
+    assert (made["recipe"], made["bits"], made["accuracy_level"]) == ("gguf", 4, 4)
     result = invoke("quantize", source.directory, "--bits", 8, "--out", tmp_path / "q8", "--greedy-tokens", 2)
     assert result.exit_code == 0, result.output
-    assert "--recipe gguf takes its weights from the file's blocks" in result.stdout
+    assert "re-rounding with rtn, since the gguf recipe cannot take this GGUF as it is: --bits 8:" in result.stdout
     made = open_artifact(tmp_path / "q8").manifest.quantization
-    assert (made["recipe"], made["bits"]) == ("rtn", 8) and "gguf" not in made
+    assert (made["recipe"], made["bits"], made["accuracy_level"]) == ("rtn", 8, 0) and "gguf" not in made
     assert_user_error(
         invoke("quantize", source.directory, "--recipe", "gguf", "--bits", 8, "--out", tmp_path / "q"),
         "--bits 8:",
@@ -244,6 +252,10 @@ def test_an_unmappable_type_is_refused(tmp_path, bpe):
         invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"),
         "'blk.0.ffn_down.weight' is Q5_0, which MatMulNBits cannot hold as it is",
     )
+    assert_user_error(invoke("quantize", source, "--out", tmp_path / "q"), "--bits is required (re-rounding")
+    result = invoke("quantize", source, "--bits", 4, "--out", tmp_path / "q", "--greedy-tokens", 2)
+    assert result.exit_code == 0 and "'blk.0.ffn_down.weight' is Q5_0" in result.stdout, result.output
+    assert open_artifact(tmp_path / "q").manifest.quantization["recipe"] == "rtn"
 
 
 def test_a_non_gguf_artifact_is_refused_by_the_gguf_recipe(tmp_path):
