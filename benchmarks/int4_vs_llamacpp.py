@@ -33,9 +33,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 TOOLKIT = [sys.executable, "-c", "import sys; sys.argv[0] = 'toolkit'; from toolkit.cli import main; main()"]
 VARIANTS = (
-    "rtn=--bits 4",
-    "rtn-acc4=--bits 4 --accuracy-level 4",
-    "gguf-acc4=--recipe gguf --accuracy-level 4",
+    "default=--bits 4",  # a GGUF export: the gguf recipe at accuracy level 4
+    "gguf-acc0=--bits 4 --accuracy-level 0",
+    "rtn=--bits 4 --recipe rtn",
+    "rtn-acc4=--bits 4 --recipe rtn --accuracy-level 4",
 )
 
 
@@ -186,6 +187,7 @@ def main() -> int:
         "what": __doc__.splitlines()[0],
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "date": datetime.date.today().isoformat(),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "gguf": str(gguf),
         "settings": {k: getattr(args, k) for k in ("rounds", "repeats", "prompt_len", "new_tokens", "threads")},
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "vnni"))),
