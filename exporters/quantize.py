@@ -627,9 +627,11 @@ def quantizer_version(algorithm: str) -> dict:
     described = {
         "rtn": "DEFAULT (round-to-nearest, asymmetric, uint8 zero points, block-wise along K)",
         "hqq": "HQQ (half-quadratic, float zero points, block-wise along K)",
+        "kquant": "k-quant search (weighted least-squares scale and float minimum per block, held as offsets)",
     }
+    tool = "exporters.kquant" if algorithm == "kquant" else "onnxruntime.quantization.matmul_nbits_quantizer"
     return {
-        "tool": "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
+        "tool": tool + ("" if algorithm == "kquant" else ".MatMulNBitsQuantizer"),
         "algorithm": described[algorithm],
         "onnxruntime": onnxruntime.__version__,
     }

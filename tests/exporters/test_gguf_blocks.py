@@ -1,4 +1,5 @@
-"""exporters/gguf_blocks.py: GGUF Q4_0, Q8_0 and Q4_1 blocks as MatMulNBits weights, held to gguf.quants.
+"""exporters/gguf_blocks.py: GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks as MatMulNBits weights, held to
+gguf.quants.
 
 The MatMulNBits side is read by the spec oracle of tests/toolkit/quantize/test_quantize.py (mnb_dequantize, on a
 one-node graph), not by the module's own dequantizer; edge blocks are placed by hand: a constant block (Q4_1's
@@ -12,11 +13,24 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from exporters.gguf_blocks import concat_columns, deviation, to_nbits
+from exporters.gguf_blocks import concat_columns, deviation, target_layout, to_nbits
 from tests.toolkit.quantize.test_quantize import mnb_dequantize
 
 gguf = pytest.importorskip("gguf", reason="GGUF blocks are made with the gguf library")
+from tests.models.test_checkpoints_gguf import quantized  # noqa: E402
+
 Q = gguf.GGMLQuantizationType
+# type: (MatMulNBits bits, block, offsets) it is taken at on its own
+LAYOUTS = {
+    Q.Q4_0: (4, 32, False),
+    Q.Q8_0: (8, 32, False),
+    Q.Q5_0: (8, 32, False),
+    Q.Q6_K: (8, 16, False),
+    Q.Q4_1: (4, 32, True),
+    Q.Q4_K: (4, 32, True),
+    Q.Q5_1: (8, 32, True),
+    Q.Q5_K: (8, 32, True),
+}
 
 
 def matrix() -> np.ndarray:
@@ -36,10 +50,55 @@ def oracle(weight) -> np.ndarray:
         inits.append(numpy_helper.from_array(weight.zero_points, "z"))
         inputs.append("z")
     node = helper.make_node(
-        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=weight.k, N=weight.n, bits=weight.bits, block_size=32
+        "MatMulNBits",
+        inputs,
+        ["Y"],
+        domain="com.microsoft",
+        K=weight.k,
+        N=weight.n,
+        bits=weight.bits,
+        block_size=weight.block_size,
     )
     proto = onnx.ModelProto(graph=helper.make_graph([node], "g", [], [], inits))
     return mnb_dequantize(proto, node)
+
+
+def with_offsets(weight) -> np.ndarray:
+    """[N, K] float32: the spec oracle's values plus the offsets the graph adds to every value of their block."""
+    values = oracle(weight).T.astype(np.float32)
+    if weight.offsets is None:
+        return values
+    return values + np.repeat(weight.offsets.reshape(weight.n, -1), weight.block_size, axis=1)
+
+
+def gguf_rows(kind, rows=8, k=512, seed=0) -> np.ndarray:
+    """[rows, row bytes]: gguf.quants' blocks of a random matrix, or random valid K-quant blocks."""
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    return quantized(x, kind, np.random.default_rng(seed + 1))
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS), ids=[k.name for k in LAYOUTS])
+def test_every_type_is_taken_bit_for_bit(kind):
+    """Each type at its own layout: the MatMulNBits values (spec oracle) plus the offsets are gguf.quants'
+    dequantization of the same bytes, value for value, and the report says so."""
+    raw = gguf_rows(kind)
+    weight = to_nbits(kind.name, raw)
+    assert (weight.bits, weight.block_size, weight.offsets is not None) == LAYOUTS[kind]
+    assert weight.exact and weight.zero_points is None
+    assert np.array_equal(with_offsets(weight), gguf.quants.dequantize(raw, kind))
+    assert deviation(weight, kind.name, raw) == {"identical": True, "max_abs": 0.0, "max_steps": 0.0}
+
+
+def test_fused_pieces_of_different_types_share_the_widest_layout():
+    """A Q4_K attn_q beside a Q6_K attn_v (Q4_K_M's mix, fused by the ort lowering): both at 8 bits, block 16, with
+    offsets (zero for Q6_K), still bit for bit."""
+    pieces = {Q.Q4_K: gguf_rows(Q.Q4_K, rows=6, seed=3), Q.Q6_K: gguf_rows(Q.Q6_K, rows=4, seed=4)}
+    layout = target_layout([kind.name for kind in pieces])
+    assert layout == (8, 16, True)
+    fused = concat_columns([to_nbits(kind.name, raw, layout=layout) for kind, raw in pieces.items()])
+    want = np.concatenate([gguf.quants.dequantize(raw, kind) for kind, raw in pieces.items()])
+    assert fused.exact and (fused.bits, fused.block_size) == (8, 16)
+    assert np.array_equal(with_offsets(fused), want)
 
 
 def gguf_values(raw: np.ndarray, kind) -> tuple[np.ndarray, np.ndarray]:

@@ -7,8 +7,9 @@ MatMul weight of the prepared graph, the GGUF tensors (and rows, for fused initi
 (exporters/gguf_blocks.py). The GGUF must be where the manifest says, with the sha256 recorded at export.
 
 --bits with this recipe: the GGUF decides each tensor's layout; `bits`, if given, must be the file's width,
-the narrowest of its quantized MatMul tensors' (Q4_0, Q4_1: 4; Q8_0: 8; a file keeps its embedding or head
-wider), so `--bits 8` on a Q4_0 file is refused rather than silently meaning 4.
+the narrowest MatMulNBits width of its quantized MatMul tensors (Q4_0, Q4_1, Q4_K: 4; Q5_0, Q5_1, Q5_K, Q6_K,
+Q8_0: 8; a Q4_K_M file keeps some tensors in Q6_K and is 4), so `--bits 8` on a Q4_0 file is refused rather than
+silently meaning 4.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from exporters.gguf_blocks import (
     GGUF_FLOAT_TYPES,
+    GGUF_LAYOUTS,
     GGUF_NBITS_TYPES,
-    GGUF_TYPE_BITS,
     Q4_1_LAYOUTS,
     GGUFRecipeError,
     concat_columns,
@@ -26,6 +27,7 @@ from exporters.gguf_blocks import (
     piece_bytes,
     piece_kind,
     plan_matmuls,
+    target_layout,
     to_nbits,
 )
 from exporters.quantize import HEAD, constant_matmul_weights, head_copy, torch_weight
@@ -79,7 +81,7 @@ class GGUFRecipe:
             self._held_to_bits(quantized)
 
     def _held_to_bits(self, quantized: list[str]) -> int:
-        width = min(GGUF_TYPE_BITS[kind] for kind in quantized)
+        width = min(GGUF_LAYOUTS[kind][2] for kind in quantized)  # MatMulNBits bits: Q4 types 4, the rest 8
         if self.wanted_bits is not None and self.wanted_bits != width:
             raise GGUFRecipeError(
                 f"--bits {self.wanted_bits}: {self.path.name}'s MatMul tensors are {'/'.join(quantized)}, "
@@ -104,9 +106,10 @@ class GGUFRecipe:
                 self.tensor_report[piece.tensor] = {"type": piece_kind(piece, self.tensors), "kept": "float MatMul"}
             return None
         parts = []
+        layout = target_layout(kinds) if len(kinds) > 1 else None  # fused pieces of different types
         for piece in pieces:
             kind, raw = piece_kind(piece, self.tensors), piece_bytes(piece, self.tensors)
-            part = to_nbits(kind, raw, self.q4_1)
+            part = to_nbits(kind, raw, self.q4_1, layout)
             measured = deviation(part, kind, raw)
             self.tensor_report[piece.tensor] = {
                 "type": kind,

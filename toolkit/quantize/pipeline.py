@@ -29,6 +29,7 @@ from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
+from exporters.kquant import kquant_blocks
 from exporters.quantize import (
     ACCURACY_LEVELS,
     ALGORITHMS,
@@ -63,7 +64,9 @@ GREEDY_TOKENS = 16
 SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 
 
-RECIPES = ("gguf", *ALGORITHMS)  # gguf: the source GGUF's blocks as they are; rtn, hqq: the float weights re-rounded
+# gguf: the source GGUF's blocks as they are; kquant: the float weights to searched scales and float minimums
+# (exporters/kquant.py); rtn, hqq: the float weights re-rounded by ONNX Runtime's node quantizers.
+RECIPES = ("gguf", "kquant", *ALGORITHMS)
 
 
 @dataclass
@@ -105,7 +108,7 @@ def quantize_artifact(
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    if recipe in ("rtn", "hqq") and bits is None:
+    if recipe in ("kquant", *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
     if recipe == "hqq" and bits != 4:
         raise ConfigError(
@@ -155,10 +158,16 @@ def quantize_artifact(
         blocks, bounds = None, None
         if gguf is not None:  # every MatMul weight is planned before any is converted
             blocks = gguf.blocks(prepared, weights, graph.entry.data["weights"], folded, copies, originals)
-        if blocks is not None:
             progress(f"taking {graph.model_path.name}'s {matmuls} MatMul weights from {gguf.path.name}'s blocks")
-            quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
             bounds = gguf.bounds
+        elif recipe == "kquant":
+
+            def blocks(b, weights=weights):
+                return kquant_blocks(weights.array(b), bits, block_size)
+
+            progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (k-quant search)")
+        if blocks is not None:
+            quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
         else:
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({algorithm})")
             quantized, count = quantize_proto(

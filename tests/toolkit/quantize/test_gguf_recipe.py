@@ -63,33 +63,28 @@ def cases(tmp_path_factory, bpe):
     return out
 
 
-def gguf_matrices(path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{tensor name: (values [N, K] float32, each value's GGUF step |d| [N, K])} of every quantized matrix, read by
-    gguf.GGUFReader and dequantized by gguf.quants."""
+def gguf_matrices(path) -> dict[str, np.ndarray]:
+    """{tensor name: values [N, K] float32} of every quantized matrix, read by gguf.GGUFReader and dequantized by
+    gguf.quants."""
     out = {}
     for tensor in gguf.GGUFReader(str(path)).tensors:
-        if tensor.tensor_type not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        if tensor.tensor_type in (Q.F32, Q.F16, Q.BF16) or len(tensor.shape) != 2:
             continue
         shape = tuple(int(n) for n in reversed(tensor.shape))
         raw = np.asarray(tensor.data).reshape(-1, gguf.GGML_QUANT_SIZES[tensor.tensor_type][1])
-        step = np.abs(raw[:, :2].copy().view(np.float16)[:, 0].astype(np.float64))  # d leads every block
-        out[tensor.name] = (
-            gguf.quants.dequantize(raw, tensor.tensor_type).reshape(shape),
-            np.repeat(step, 32).reshape(shape),
-        )
+        out[tensor.name] = gguf.quants.dequantize(raw, tensor.tensor_type).reshape(shape)
     return out
 
 
-def candidates(path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def candidates(path) -> dict[str, np.ndarray]:
     """What a MatMul's B [K, N] may hold: each matrix transposed, and each layer's q|k|v and gate|up side by side
     (the `ort` lowering's fused initializers)."""
     matrices = gguf_matrices(path)
-    out = {name: (values.T, step.T) for name, (values, step) in matrices.items()}
+    out = {name: values.T for name, values in matrices.items()}
     layers = {name.split(".")[1] for name in matrices if name.startswith("blk.")}
     for layer in layers:
         for fused, parts in (("qkv", ("attn_q", "attn_k", "attn_v")), ("gate_up", ("ffn_gate", "ffn_up"))):
-            pieces = [matrices[f"blk.{layer}.{part}.weight"] for part in parts]
-            out[f"blk.{layer}.{fused}"] = tuple(np.concatenate([p[i].T for p in pieces], axis=1) for i in (0, 1))
+            out[f"blk.{layer}.{fused}"] = np.concatenate([matrices[f"blk.{layer}.{p}.weight"].T for p in parts], axis=1)
     return out
 
 
@@ -112,18 +107,19 @@ def graph_weight(proto, node) -> np.ndarray:
     MatMul by a [blocks, N] initializer), not by name."""
     w = mnb_dequantize(proto, node)
     k, n = w.shape
+    block = next(a.i for a in node.attribute if a.name == "block_size")
     inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
     made = {output: n for n in proto.graph.node for output in n.output}
     offsets = []
     for add in (n for n in proto.graph.node if n.op_type == "Add" and node.output[0] in n.input):
         other = made.get(next(name for name in add.input if name != node.output[0]))
         matrix = None if other is None or other.op_type != "MatMul" else inits.get(other.input[1])
-        if matrix is not None and matrix.shape == (k // 32, n):
+        if matrix is not None and matrix.shape == (k // block, n):
             offsets.append(matrix.astype(np.float64))  # [blocks, N]
     if not offsets:
         return w
     (offsets,) = offsets
-    return w + np.repeat(offsets, 32, axis=0)
+    return w + np.repeat(offsets, block, axis=0)
 
 
 # --------------------------------------------------------------------------- the blocks
@@ -139,10 +135,9 @@ def test_matmulnbits_weights_are_the_gguf_values(cases, name):
     used = []
     for node in nodes:
         w_hat = graph_weight(proto, node).astype(np.float32)
-        same = {key: value for key, value in wanted.items() if value[0].shape == w_hat.shape}
-        key = min(same, key=lambda k: np.abs(same[k][0] - w_hat).max())
-        values, step = same[key]
-        assert np.array_equal(w_hat, values), (node.name, key)
+        same = {key: value for key, value in wanted.items() if value.shape == w_hat.shape}
+        key = min(same, key=lambda k: np.abs(same[k] - w_hat).max())
+        assert np.array_equal(w_hat, same[key]), (node.name, key)
         used.append(key)
     expected = {key for key in wanted if matrix_role(key) in ("whole", "fused" if CASES[name][2] == "ort" else "part")}
     expected -= {"token_embd.weight"} if not CASES[name][1] else set()  # untied: the embedding is only gathered
@@ -245,16 +240,22 @@ def test_a_missing_or_changed_gguf_is_refused(cases, tmp_path):
 
 
 def test_an_unmappable_type_is_refused(tmp_path, bpe):
-    path = tmp_path / "q5.gguf"
-    write_gguf(path, gguf_llama(bpe, seed=9), bpe, qtype=Q.Q4_0, types={"blk.0.ffn_down.weight": Q.Q5_0})
+    path = tmp_path / "q3_k.gguf"
+    from tests.models.test_checkpoints import hf_llama
+    from tests.models.test_checkpoints_gguf import quantized
+
+    rng = np.random.default_rng(9)
+    hf = hf_llama(vocab=len(bpe[1]), width=256, heads=4, kv_heads=2, ff=256, seed=9)
+    types = {"blk.0.ffn_down.weight": Q.Q3_K}
+    write_gguf(path, hf, bpe, qtype=Q.Q4_K, types=types, quantize=lambda a, k: quantized(a, k, rng))
     source = export(path, tmp_path / "float")
     assert_user_error(
         invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"),
-        "'blk.0.ffn_down.weight' is Q5_0, which MatMulNBits cannot hold as it is",
+        "'blk.0.ffn_down.weight' is Q3_K, which MatMulNBits cannot hold as it is",
     )
     assert_user_error(invoke("quantize", source, "--out", tmp_path / "q"), "--bits is required (re-rounding")
     result = invoke("quantize", source, "--bits", 4, "--out", tmp_path / "q", "--greedy-tokens", 2)
-    assert result.exit_code == 0 and "'blk.0.ffn_down.weight' is Q5_0" in result.stdout, result.output
+    assert result.exit_code == 0 and "'blk.0.ffn_down.weight' is Q3_K" in result.stdout, result.output
     assert open_artifact(tmp_path / "q").manifest.quantization["recipe"] == "rtn"
 
 
@@ -285,3 +286,37 @@ def test_float_gguf_tensors_stay_float_matmuls(tmp_path, bpe):
     proto, nodes = nbits_nodes(quantized)
     assert len(nodes) == 7 * 2 and sum(n.op_type == "MatMul" for n in proto.graph.node) > 0
     assert quantized.manifest.quantization["quality"]["greedy_agreement"] == 1.0
+
+
+def test_a_k_quant_mix_is_taken_bit_for_bit(tmp_path, bpe):
+    """Q4_K_M's mix (Q4_K projections, Q6_K attn_v, ffn_down and head) through the `ort` lowering, whose fused QKV
+    puts Q4_K and Q6_K columns in one MatMulNBits weight: every weight is the file's values bit for bit, ONNX
+    Runtime's logits are the float artifact's, and `toolkit check` passes with cached decode steps."""
+    from tests.models.test_checkpoints import hf_llama
+    from tests.models.test_checkpoints_gguf import quantized
+
+    rng = np.random.default_rng(7)
+    hf = hf_llama(vocab=len(bpe[1]), width=256, heads=4, kv_heads=2, ff=256, seed=7)
+    six = {"output.weight": Q.Q6_K, **{f"blk.{i}.{t}.weight": Q.Q6_K for i in range(2) for t in ("attn_v", "ffn_down")}}
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(path, hf, bpe, qtype=Q.Q4_K, types=six, quantize=lambda a, k: quantized(a, k, rng))
+    source = open_artifact(export(path, tmp_path / "float", "ort"))
+    result = invoke("quantize", source.directory, "--accuracy-level", 0, "--out", tmp_path / "q", "--greedy-tokens", 4)
+    assert result.exit_code == 0, result.output
+    quantized_artifact = open_artifact(tmp_path / "q")
+    made = quantized_artifact.manifest.quantization
+    assert (made["recipe"], made["bits"]) == ("gguf", 4)
+    tensors = made["gguf"]["tensors"]
+    assert {t["type"] for t in tensors.values()} == {"Q4_K", "Q6_K"}
+    assert all(t["exact"] and t["identical"] for t in tensors.values())
+    proto, nodes = nbits_nodes(quantized_artifact)
+    wanted = candidates(path)
+    for node in nodes:
+        w_hat = graph_weight(proto, node).astype(np.float32)
+        assert any(np.array_equal(w_hat, values) for values in wanted.values() if values.shape == w_hat.shape)
+    layouts = {(a.name, a.i) for n in nodes for a in n.attribute if a.name in ("bits", "block_size")}
+    assert layouts == {("bits", 4), ("bits", 8), ("block_size", 16), ("block_size", 32)}  # fused QKV: 8-bit, 16
+    want, got = ort_logits(source), ort_logits(quantized_artifact)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+    result = invoke("check", tmp_path / "q", "--backends", "eager,ort-cpu", "--decode-steps", 2)
+    assert result.exit_code == 0 and "RESULT: PASS" in result.output, result.output

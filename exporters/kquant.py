@@ -1,0 +1,81 @@
+"""`toolkit quantize --recipe kquant`: float weights to MatMulNBits blocks with a searched scale and float minimum.
+
+Round-to-nearest takes each block's range as it is: scale (max - min) / (2^bits - 1) and an integer zero point,
+so a block's minimum moves to the nearest multiple of its scale. This recipe keeps what llama.cpp's k-quants
+keep instead: per block of 32 values along K, w ~ s q + m with q in 0..2^bits - 1, a float32 scale s and a
+float32 minimum m, chosen by a search over candidate scales, each followed by the weighted least-squares s and m
+for the q it rounds to (weights rms(block) + |w|, which favour the large values; the search of llama.cpp's
+make_qkx and of ONNX Runtime's k_quant algorithm). The float minimum is held as MatMulNBits' scale plus per-block
+offsets (exporters/gguf_blocks.py, exporters/quantize.py _with_offsets), the layout the GGUF recipe gives Q4_1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from exporters.gguf_blocks import NBitsWeight, pack4
+
+SEARCH_STEPS = 20  # candidate scales: (levels - 1 + delta) / range for delta in -1.0, -0.9, ..., +1.0
+SEARCH_DELTA = 0.1
+SLAB_VALUES = 1 << 22  # values searched at a time (the candidates' arrays are a few times this in float32)
+
+
+def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NBitsWeight:
+    """The MatMulNBits weight (with offsets) of float `weight` [K, N] (a MatMul's B), K a multiple of the block."""
+    k, n = weight.shape
+    if k % block_size:
+        raise ValueError(f"K = {k} is not a multiple of the block size {block_size}")
+    rows = np.ascontiguousarray(weight.T, dtype=np.float32)  # [N, K]: one row of blocks per output column
+    q = np.empty((n, k), dtype=np.uint8)
+    scales = np.empty((n, k // block_size), dtype=np.float32)
+    minimums = np.empty_like(scales)
+    slab = max(1, SLAB_VALUES // k)
+    for start in range(0, n, slab):
+        chunk = rows[start : start + slab]
+        found = search(chunk.reshape(-1, block_size), (1 << bits) - 1)
+        stop = start + len(chunk)
+        q[start:stop] = found[0].reshape(stop - start, k)
+        scales[start:stop] = found[1].reshape(stop - start, -1)
+        minimums[start:stop] = found[2].reshape(stop - start, -1)
+    centre = 1 << (bits - 1)  # (u - centre) s + (m + centre s): the integer part spread like the weights
+    offsets = minimums + np.float32(centre) * scales
+    packed = q.reshape(n, -1, block_size)
+    if bits == 4:
+        packed = pack4(packed)
+    return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size)
+
+
+def search(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [B, L] uint8 in 0..top, s [B] float32, m [B] float32) minimising sum(w (s q + m - x)^2) per block of
+    x [B, L] over the candidate scales, w = rms(block) + |x|. A constant block is s = 0, m = its value."""
+    x = x.astype(np.float32)
+    low, high = x.min(axis=1), x.max(axis=1)
+    span = high - low
+    flat = span == 0
+    span = np.where(flat, 1, span)
+    w = np.sqrt((x * x).mean(axis=1, keepdims=True)) + np.abs(x)
+
+    def rounded(levels):  # q for the candidate scale span / levels, from the block's minimum
+        return np.clip(np.rint((x - low[:, None]) * (levels / span)[:, None]), 0, top)
+
+    best_q = rounded(np.full(len(x), float(top), dtype=np.float32))
+    best_s, best_m = span / top, low
+    best = (w * (best_s[:, None] * best_q + best_m[:, None] - x) ** 2).sum(axis=1)
+    sum_w, sum_wx = w.sum(axis=1), (w * x).sum(axis=1)
+    for step in range(SEARCH_STEPS + 1):
+        q = rounded(np.float32(top - 1 + SEARCH_DELTA * step))
+        wq = w * q
+        sum_q, sum_qq, sum_qx = wq.sum(axis=1), (wq * q).sum(axis=1), (wq * x).sum(axis=1)
+        det = sum_w * sum_qq - sum_q * sum_q
+        ok = det > 0
+        det = np.where(ok, det, 1)
+        s = (sum_w * sum_qx - sum_q * sum_wx) / det
+        m = (sum_qq * sum_wx - sum_q * sum_qx) / det
+        error = (w * (s[:, None] * q + m[:, None] - x) ** 2).sum(axis=1)
+        better = ok & (s > 0) & (error < best)
+        best = np.where(better, error, best)
+        best_s, best_m = np.where(better, s, best_s), np.where(better, m, best_m)
+        best_q = np.where(better[:, None], q, best_q)
+    best_s, best_m = np.where(flat, 0, best_s), np.where(flat, low, best_m)
+    best_q = np.where(flat[:, None], 0, best_q)
+    return best_q.astype(np.uint8), best_s.astype(np.float32), best_m.astype(np.float32)
