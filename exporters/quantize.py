@@ -628,10 +628,11 @@ def quantizer_version(algorithm: str) -> dict:
         "rtn": "DEFAULT (round-to-nearest, asymmetric, uint8 zero points, block-wise along K)",
         "hqq": "HQQ (half-quadratic, float zero points, block-wise along K)",
         "kquant": "k-quant search (weighted least-squares scale and float minimum per block, held as offsets)",
+        "mixed": "k-quant search, the vocabulary projection at 8 bits",
     }
-    tool = "exporters.kquant" if algorithm == "kquant" else "onnxruntime.quantization.matmul_nbits_quantizer"
+    ours = algorithm in ("kquant", "mixed")
     return {
-        "tool": tool + ("" if algorithm == "kquant" else ".MatMulNBitsQuantizer"),
+        "tool": "exporters.kquant" if ours else "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
         "algorithm": described[algorithm],
         "onnxruntime": onnxruntime.__version__,
     }

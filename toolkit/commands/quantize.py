@@ -27,7 +27,8 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     help="gguf: take each MatMul weight's blocks from the GGUF the artifact was exported from, as they are "
     "(Q4_0 -> 4-bit and Q8_0 -> 8-bit bit for bit, Q4_1 -> 4-bit plus per-block offsets, bit for bit, "
     "F16/F32 kept float); the file must be where the manifest says, unchanged. kquant: float weights to a "
-    "searched scale and float minimum per block (4-bit plus per-block offsets). rtn, hqq: re-round the float "
+    "searched scale and float minimum per block (plus per-block offsets); mixed: kquant with the vocabulary "
+    "projection at 8 bits. rtn, hqq: re-round the float "
     "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
     "at --bits (otherwise rtn, and the command says why); rtn for any other.",
 )

@@ -38,6 +38,7 @@ from exporters.quantize import (
     HEAD,
     GraphWeights,
     head_copies,
+    head_copy,
     prepare_proto,
     quantize_proto,
     quantize_proto_blocks,
@@ -65,8 +66,11 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 
 
 # gguf: the source GGUF's blocks as they are; kquant: the float weights to searched scales and float minimums
-# (exporters/kquant.py); rtn, hqq: the float weights re-rounded by ONNX Runtime's node quantizers.
-RECIPES = ("gguf", "kquant", *ALGORITHMS)
+# (exporters/kquant.py); mixed: kquant with the vocabulary projection at 8 bits, as llama.cpp's Q4_K_M and
+# Q4_1 files keep their output matrix wider; rtn, hqq: the float weights re-rounded by ONNX Runtime's node
+# quantizers.
+RECIPES = ("gguf", "kquant", "mixed", *ALGORITHMS)
+HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
 
 
 @dataclass
@@ -108,7 +112,7 @@ def quantize_artifact(
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    if recipe in ("kquant", *ALGORITHMS) and bits is None:
+    if recipe in ("kquant", "mixed", *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
     if recipe == "hqq" and bits != 4:
         raise ConfigError(
@@ -160,12 +164,13 @@ def quantize_artifact(
             blocks = gguf.blocks(prepared, weights, graph.entry.data["weights"], folded, copies, originals)
             progress(f"taking {graph.model_path.name}'s {matmuls} MatMul weights from {gguf.path.name}'s blocks")
             bounds = gguf.bounds
-        elif recipe == "kquant":
+        elif recipe in ("kquant", "mixed"):
+            head_b = None if head is None or recipe == "kquant" else head_copy(copies, torch_weight(originals, head))
 
-            def blocks(b, weights=weights):
-                return kquant_blocks(weights.array(b), bits, block_size)
+            def blocks(b, weights=weights, head_b=head_b):
+                return kquant_blocks(weights.array(b), HEAD_BITS if b == head_b else bits, block_size)
 
-            progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (k-quant search)")
+            progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({recipe}, k-quant search)")
         if blocks is not None:
             quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
         else:

@@ -307,6 +307,29 @@ def test_the_kquant_recipe_is_closer_to_float_than_round_to_nearest(source, quan
     assert report.passed, [(b.name, b.first_divergence) for b in report.backends]
 
 
+def test_the_mixed_recipe_keeps_the_head_at_8_bits(source, tmp_path):
+    """--recipe mixed: the vocabulary projection's MatMulNBits is 8-bit (its values within a 255th of its blocks'
+    range of the float head), every other one 4-bit; the manifest maps the head to the 8-bit weight."""
+    from tests.toolkit.quantize.test_gguf_recipe import graph_weight
+
+    target = tmp_path / "mixed"
+    result = invoke("quantize", source.directory, "--recipe", "mixed", "--bits", 4, "--out", target)
+    assert result.exit_code == 0, result.output
+    artifact = open_artifact(target)
+    head = artifact.graphs[0].entry.data["weights"]["lm_head.weight"]["quantized"]
+    proto = onnx.load(str(artifact.model_path))
+    bits = {
+        n.input[1]: next(a.i for a in n.attribute if a.name == "bits")
+        for n in proto.graph.node
+        if n.op_type == "MatMulNBits"
+    }
+    assert bits.pop(head["weight"]) == 8 and set(bits.values()) == {4}
+    node = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.input[1] == head["weight"])
+    want = float_matrices(source)["lm_head.weight"]
+    assert np.abs(graph_weight(proto, node) - want).max() <= (want.max() - want.min()) / 255
+    assert artifact.manifest.quantization["recipe"] == "mixed"
+
+
 # --------------------------------------------------------------------------- errors and atomicity
 
 
