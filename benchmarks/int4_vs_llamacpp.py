@@ -34,9 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLKIT = [sys.executable, "-c", "import sys; sys.argv[0] = 'toolkit'; from toolkit.cli import main; main()"]
 VARIANTS = (
     "default=--bits 4",  # a GGUF export: the gguf recipe at accuracy level 4
-    "gguf-acc0=--bits 4 --accuracy-level 0",
-    "rtn=--bits 4 --recipe rtn",
+    "mixed-acc4=--bits 4 --recipe mixed --accuracy-level 4",  # from the float weights
+    "kquant-acc4=--bits 4 --recipe kquant --accuracy-level 4",
     "rtn-acc4=--bits 4 --recipe rtn --accuracy-level 4",
+    "rtn=--bits 4 --recipe rtn",
 )
 
 
