@@ -67,12 +67,40 @@ def read_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
 @limit("--max-connections", click.IntRange(min=1), 256, "Open connections; more get 503.")
 @limit("--request-timeout", SECONDS, 600.0, "Seconds an answer may take; longer ones end with 504.")
 @limit("--shutdown-grace", click.FloatRange(min=0), 30.0, "Seconds running requests get on SIGTERM.")
+@click.option(
+    "--replicas",
+    default=None,
+    help="Serve with Ray Serve: N replicas, or MIN-MAX to autoscale, each with its own engine (one ONNX Runtime "
+    "session and KV cache) behind Ray's HTTP proxy. Autoscaling aims at --max-batch requests in flight per "
+    "replica (Ray's target_ongoing_requests): more than that waiting means another replica, at Ray's pace "
+    "(up after 30 s, down after 600 s). Ray's proxy has no --header-timeout or --max-connections: they keep "
+    "their defaults, unenforced. Needs the [ray] extra. [default: one process, no Ray]",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="With --replicas: join this Ray cluster (auto, or HOST:PORT) instead of starting a local one; the "
+    "artifact must be at the same path on every node.",
+)
+@limit("--replica-cpus", click.FloatRange(min=0.01), 1.0, "With --replicas: Ray CPUs each replica reserves.")
 def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens, **options):
     """Serve ARTIFACT_DIR (exported with --from) with /v1/completions and /v1/chat/completions."""
     from toolkit.serve.app import create_app, guarded
-    from toolkit.serve.guard import Exposure, Limits, is_loopback
+    from toolkit.serve.guard import Exposure, Limits
     from toolkit.serve.http import serve
 
+    replicas, ray_address, replica_cpus = (
+        options.pop("replicas"),
+        options.pop("ray_address"),
+        options.pop("replica_cpus"),
+    )
+    if replicas is None and (ray_address is not None or replica_cpus != 1.0):
+        given = "--ray-address" if ray_address is not None else "--replica-cpus"
+        raise ConfigError(f"{given} applies to Ray Serve only; add --replicas N (or MIN-MAX)")
+    if replicas is not None:
+        from toolkit.serve.ray_serve import Replicas
+
+        replicas = Replicas.parse(replicas)  # before anything loads
     names = [n.strip().lower() for n in (options.pop("allowed_hosts") or "").split(",") if n.strip()]
     origins = tuple(o.strip() for o in (options.pop("allowed_origins") or "").split(",") if o.strip())
     exposure = Exposure(
@@ -83,6 +111,11 @@ def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens,
         docs=options.pop("docs"),
     )
     limits = Limits(**options)
+    if replicas is not None:
+        from toolkit.serve.ray_serve import AppSpec, artifact_path
+
+        spec = AppSpec(artifact_path(artifact_dir), backend, max_batch, max_queue, max_tokens, limits, exposure)
+        return serve_on_ray(spec, replicas, host, port, ray_address, replica_cpus)
     app = create_app(
         artifact_dir,
         backend=backend,
@@ -92,6 +125,16 @@ def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens,
         limits=limits,
         exposure=exposure,
     )
+    warn_if_open(host, exposure)
+    click.echo(f"serving {artifact_dir} on http://{host}:{port} ({backend}, batch {max_batch}, queue {max_queue})")
+    # SIGTERM stops accepting, lets running requests finish for --shutdown-grace seconds, ends the rest with
+    # a final event, and exits 0.
+    serve(guarded(app), host=host, port=port, limits=limits, on_shutdown=app.state.server.drain)
+
+
+def warn_if_open(host: str, exposure) -> None:
+    from toolkit.serve.guard import is_loopback
+
     if not is_loopback(host) and exposure.api_key is None:
         click.secho(
             f"WARNING: serving on {host}, beyond this machine, without an API key: anyone who can reach the port "
@@ -100,7 +143,26 @@ def command(artifact_dir, host, port, backend, max_batch, max_queue, max_tokens,
             fg="red",
             bold=True,
         )
-    click.echo(f"serving {artifact_dir} on http://{host}:{port} ({backend}, batch {max_batch}, queue {max_queue})")
-    # SIGTERM stops accepting, lets running requests finish for --shutdown-grace seconds, ends the rest with
-    # a final event, and exits 0.
-    serve(guarded(app), host=host, port=port, limits=limits, on_shutdown=app.state.server.drain)
+
+
+def serve_on_ray(spec, replicas, host: str, port: int, address: str | None, cpus: float) -> None:
+    """--replicas: the same app on Ray Serve (toolkit/serve/ray_serve.py)."""
+    from toolkit.serve import ray_serve
+
+    ray_serve.connection_options(host, port, spec.limits)  # a flag Ray cannot enforce fails before Ray starts
+    cluster = ray_serve.RayServe(spec, replicas, host, port, ray_address=address, replica_cpus=cpus)
+    warn_if_open(host, spec.exposure)
+    click.echo(
+        "note: under Ray Serve, Ray's HTTP proxy holds the connections: --header-timeout and --max-connections "
+        "are not enforced (it has no such limits); the other limits are, in every replica",
+        err=True,
+    )
+
+    def ready(line: str) -> None:
+        click.echo(line)
+        click.echo(
+            f"serving {spec.artifact_dir} on http://{host}:{port} ({spec.backend}, batch {spec.max_batch}, "
+            f"queue {spec.max_queue}, replicas {replicas})"
+        )
+
+    ray_serve.run(cluster, ready)
