@@ -138,9 +138,15 @@ def to_nbits(
         q = _gguf_nibbles(blocks[..., 4:])
         return _q4_1_float_zero_points(q, d, m) if q4_1 == "float-zero-points" else _q4_1_grid(q, d, m)
     bits, block, with_offsets = layout or target_layout([kind])
-    sub, centre = GGUF_LAYOUTS[kind][:2]
+    sub, centre, _, block_bytes = GGUF_LAYOUTS[kind]
     if sub % block:
         raise ValueError(f"{kind}: block {block} does not divide its sub-blocks of {sub}")
+    # A slab of rows at a time (CHECK_SLAB_BYTES of float32 values), so a vocabulary-sized head's unpacked
+    # values and the exactness check never exist whole beside the packed result.
+    slab = max(1, CHECK_SLAB_BYTES // (4 * sub * (raw.shape[1] // block_bytes)))
+    if raw.shape[0] > slab:
+        layout = (bits, block, with_offsets)
+        return concat_columns([to_nbits(kind, raw[i : i + slab], q4_1, layout) for i in range(0, len(raw), slab)])
     q, s, o = gguf_parts(kind, raw)  # [N, K] int16, [N, K / sub] float32, same or None
     n, k = q.shape
     s = np.repeat(s, sub // block, axis=1)  # one scale per MatMulNBits block

@@ -169,3 +169,19 @@ def test_columns_concatenate_and_mixed_layouts_are_refused():
     q8 = to_nbits("Q8_0", gguf.quants.quantize(x[3:], Q.Q8_0))
     with pytest.raises(ValueError, match="different MatMulNBits layouts"):
         concat_columns([parts[0], q8])
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q6_K], ids=["Q4_1", "Q6_K"])
+def test_a_tensor_converted_a_slab_of_rows_at_a_time_is_the_same(kind, monkeypatch):
+    """Rows beyond a slab are converted in slabs and joined: the same weight, bit for bit, as in one piece."""
+    from exporters import gguf_blocks
+
+    raw = gguf_rows(kind, rows=7)
+    whole = to_nbits(kind.name, raw)
+    monkeypatch.setattr(gguf_blocks, "CHECK_SLAB_BYTES", 4 * 512 * 2)  # two rows of K = 512 per slab
+    sliced = to_nbits(kind.name, raw)
+    for field in ("packed", "scales", "offsets"):
+        a, b = getattr(whole, field), getattr(sliced, field)
+        assert (a is None and b is None) or np.array_equal(a, b), field
+    assert (sliced.bits, sliced.block_size, sliced.exact) == (whole.bits, whole.block_size, whole.exact)
+    assert np.array_equal(with_offsets(sliced), gguf.quants.dequantize(raw, kind))

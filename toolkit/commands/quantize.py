@@ -18,15 +18,14 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     "--bits",
     type=click.Choice([str(b) for b in BITS]),
     help="Weight bits (required unless the gguf recipe applies). With the gguf recipe the GGUF decides each "
-    "tensor's layout and --bits must be the file's width (its narrowest quantized MatMul tensor: Q4_0/Q4_1 4, "
-    "Q8_0 8).",
+    "tensor's layout and --bits must be the file's width (4 where a MatMul tensor is Q4_0/Q4_1/Q4_K, else 8).",
 )
 @click.option(
     "--recipe",
     type=click.Choice(RECIPES),
     help="gguf: take each MatMul weight's blocks from the GGUF the artifact was exported from, as they are "
-    "(Q4_0 -> 4-bit and Q8_0 -> 8-bit bit for bit, Q4_1 -> 4-bit plus per-block offsets, bit for bit, "
-    "F16/F32 kept float); the file must be where the manifest says, unchanged. kquant: float weights to a "
+    "bit for bit (Q4_0/Q4_1/Q4_K 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 8-bit, float minimums as per-block "
+    "offsets; F16/F32 kept float); the file must be where the manifest says, unchanged. kquant: float weights to a "
     "searched scale and float minimum per block (plus per-block offsets); mixed: kquant with the vocabulary "
     "projection at 8 bits. rtn, hqq: re-round the float "
     "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
@@ -35,7 +34,7 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 @click.option(
     "--block-size",
     type=click.Choice([str(b) for b in BLOCK_SIZES]),
-    help="Weights per quantization block along K (one scale and zero point each) for rtn and hqq. "
+    help="Weights per quantization block along K (one scale and zero point each) for rtn, hqq, kquant and mixed. "
     "[default: 32; the GGUF's own (32) with --recipe gguf]",
 )
 @click.option(
@@ -47,8 +46,8 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 @click.option(
     "--accuracy-level",
     type=click.Choice([str(a) for a in ACCURACY_LEVELS]),
-    help="MatMulNBits compute: 0 float32 activations, 4 int8 activations (faster; for rtn and hqq, further "
-    "from the float model). [default: 4 with the gguf recipe, llama.cpp's own int8 activations against "
+    help="MatMulNBits compute: 0 float32 activations, 4 int8 activations (faster; for the recipes from float "
+    "weights, further from the float model). [default: 4 with the gguf recipe, llama.cpp's own int8 activations against "
     "quantized weights; 0 otherwise]",
 )
 @click.option(
