@@ -143,7 +143,8 @@ def to_nbits(
         raise ValueError(f"{kind}: block {block} does not divide its sub-blocks of {sub}")
     # A slab of rows at a time (CHECK_SLAB_BYTES of float32 values), so a vocabulary-sized head's unpacked
     # values and the exactness check never exist whole beside the packed result.
-    slab = max(1, CHECK_SLAB_BYTES // (4 * sub * (raw.shape[1] // block_bytes)))
+    values = raw.shape[1] // block_bytes * (QK_K if kind.endswith("_K") else 32)  # K: a GGUF block's values
+    slab = max(1, CHECK_SLAB_BYTES // (4 * values))
     if raw.shape[0] > slab:
         layout = (bits, block, with_offsets)
         return concat_columns([to_nbits(kind, raw[i : i + slab], q4_1, layout) for i in range(0, len(raw), slab)])
