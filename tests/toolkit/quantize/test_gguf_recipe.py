@@ -320,3 +320,23 @@ def test_a_k_quant_mix_is_taken_bit_for_bit(tmp_path, bpe):
     assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
     result = invoke("check", tmp_path / "q", "--backends", "eager,ort-cpu", "--decode-steps", 2)
     assert result.exit_code == 0 and "RESULT: PASS" in result.output, result.output
+
+
+def test_block_sums_without_known_ranks_take_a_matmul(cases, tmp_path, monkeypatch):
+    """Where shape inference does not know an activation's rank, its block sums are a MatMul by a 0/1 matrix
+    instead of Reshape + ReduceSum: the same logits."""
+    from exporters import quantize
+
+    monkeypatch.setattr(quantize, "_input_ranks", lambda proto: {})
+    _, source, _, _ = cases["q4_1"]
+    result = invoke("quantize", source.directory, "--accuracy-level", 0, "--out", tmp_path / "q", "--greedy-tokens", 2)
+    assert result.exit_code == 0, result.output
+    quantized = open_artifact(tmp_path / "q")
+    ops = [n.op_type for n in onnx.load(str(quantized.model_path)).graph.node]
+    assert "ReduceSum" not in ops and any(name.endswith("_block_ones") for name in _initializer_names(quantized))
+    want, got = ort_logits(source), ort_logits(quantized)
+    assert np.abs(got - want).max() / np.abs(want).max() <= 1e-4
+
+
+def _initializer_names(artifact) -> list[str]:
+    return [i.name for i in onnx.load(str(artifact.model_path), load_external_data=False).graph.initializer]
