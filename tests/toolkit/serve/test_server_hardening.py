@@ -423,15 +423,20 @@ def test_shutdown_ends_late_streams_with_a_final_event(lm, tmp_path):  # noqa: F
     )  # fmt: skip
     payload = {"prompt": "hello", "max_tokens": SERVER_MAX_TOKENS, "temperature": 0, "stream": True}
 
+    answered = threading.Semaphore(0)
+
     def stream():
         with httpx.stream("POST", server.url + "/v1/completions", json=payload, timeout=60) as r:
+            answered.release()
             return r.status_code, list(r.iter_lines())
 
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(stream) for _ in range(clients)]
-        deadline = time.monotonic() + 30
-        while server.health()["queued"] < clients // 4:  # the later ones wait behind the one row
-            assert time.monotonic() < deadline, server.health()
+        # SIGTERM only once the server holds every request: a connection still in the listen backlog is
+        # reset by the closing socket, which is no stream the server could have ended
+        for _ in range(clients):
+            assert answered.acquire(timeout=30), server.health()
+        assert server.health()["queued"] >= clients // 4  # the later ones wait behind the one row
         server.proc.send_signal(signal.SIGTERM)
         results = [f.result(timeout=60) for f in futures]
     code = server.proc.wait(timeout=30)
