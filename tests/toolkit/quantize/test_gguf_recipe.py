@@ -20,7 +20,7 @@ from onnx import numpy_helper
 from models.artifacts import open_artifact
 from runners.eager import model_from_artifact
 from tests.optional import import_or_skip
-from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits
+from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits, tamper_first_matmulnbits
 from tests.toolkit.test_cli import assert_user_error, invoke
 
 gguf = import_or_skip("gguf", "GGUF test files are written with the gguf library")
@@ -236,6 +236,23 @@ def test_a_missing_or_changed_gguf_is_refused(cases, tmp_path):
     assert_user_error(invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"), "differs from")
     copy.unlink()
     assert_user_error(invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"), "is not there")
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=["q4_0", "q8_0"])
+def test_blocks_that_are_not_the_files_values_bit_for_bit_are_refused(tmp_path, bpe, monkeypatch, qtype):
+    """The gguf recipe's blocks are held to the float artifact's weights bit for bit: one stored value moved by a
+    single step (bit 0 of its nibble or byte flipped) is refused by name, with exit 2 and one line."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, gguf_llama(bpe, seed=5), bpe, qtype=qtype)
+    source = export(path, tmp_path / "float")
+    tampered = tamper_first_matmulnbits(monkeypatch, "quantize_proto_blocks", 0x01)
+    result = invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q")
+    bits = 4 if qtype == Q.Q4_0 else 8
+    assert len(tampered) == 1 and tampered[0].endswith(f"_Q{bits}")
+    assert_user_error(
+        result, f"its {bits}-bit MatMulNBits weight {tampered[0]!r} does not dequantize bit for bit to the float weight"
+    )
     assert not (tmp_path / "q").exists()
 
 

@@ -396,6 +396,44 @@ def test_interrupted_quantization_leaves_previous_artifact_intact(source, quanti
     assert open_artifact(target).manifest.quantization["bits"] == 8
 
 
+def tamper_first_matmulnbits(monkeypatch, quantizer: str, flip: int) -> list[str]:
+    """Wrap toolkit.quantize.pipeline's `quantizer` ("quantize_proto" or "quantize_proto_blocks") so that the first
+    MatMulNBits weight it makes has its first stored byte XORed with `flip` (4-bit: the low nibble, the first K row
+    of the first output column; 8-bit: that value), held back where the quantizer held it. Returns the list the
+    tampered weight's name is appended to."""
+    import toolkit.quantize.pipeline as module
+
+    original, tampered = getattr(module, quantizer), []
+
+    def wrapped(proto, weights, *args, **kwargs):
+        quantized, count = original(proto, weights, *args, **kwargs)
+        name = next(n for n in quantized.graph.node if n.op_type == "MatMulNBits").input[1]
+        values = weights.array(name).copy()
+        values.reshape(-1)[0] ^= flip
+        weights.hold(next(t for t in quantized.graph.initializer if t.name == name), values)
+        tampered.append(name)
+        return quantized, count
+
+    monkeypatch.setattr(module, quantizer, wrapped)
+    return tampered
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_weight_that_does_not_dequantize_to_its_float_weight_is_refused(
+    source, tmp_path, monkeypatch, bits
+):
+    """Round-to-nearest is held to 0.51 steps of the float weight: one stored value moved by 8 steps (its 4-bit
+    nibble's or its byte's bit 3 flipped) is refused by name, with exit 2 and one line, and nothing is written."""
+    tampered = tamper_first_matmulnbits(monkeypatch, "quantize_proto", 0x08)
+    result = invoke("quantize", source.directory, "--bits", bits, "--algorithm", "rtn", "--out", tmp_path / "q")
+    assert len(tampered) == 1
+    assert_user_error(
+        result,
+        f"its {bits}-bit MatMulNBits weight {tampered[0]!r} does not dequantize to within 0.51 steps of the float weight",
+    )
+    assert not (tmp_path / "q").exists()
+
+
 def test_check_refuses_int8_activations_without_explicit_tolerances(source, tmp_path):
     target = tmp_path / "acc4"
     result = invoke("quantize", source.directory, "--bits", 4, "--accuracy-level", 4, "--out", target)
