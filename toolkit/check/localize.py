@@ -630,6 +630,18 @@ def find_graph_fault(
 def localize_stage(artifact, backend: str, stage: str, feed: dict, *, graph_name: str | None = None) -> Localization:
     """Name the first ONNX node of `stage`'s computation that `backend` (or the graph itself) gets wrong."""
     cone = stage_cone(stage_graph(artifact, stage, graph_name), stage, feed)
+    known = {op.__name__ for op in CONTRIB_OPS}
+    foreign = sorted({f"{n.domain}::{n.op_type}" for n in cone.model.graph.node if n.domain and n.op_type not in known})
+    if foreign:  # each node is judged on the reference evaluator, which has no kernel for these
+        return Localization(
+            backend,
+            stage,
+            cone.graph.name,
+            None,
+            0,
+            note=f"not localised: the graph holds {', '.join(foreign)}, which the ONNX reference evaluator does not "
+            "implement; re-export with --lowering standard or functions to localise",
+        )
     backend_values = run_backend_all(backend, with_all_outputs(cone.model, cone.value_names), cone.feed)
     values64 = float64_values(cone)
     finding, checked = find_backend_fault(cone, backend_values)

@@ -206,3 +206,27 @@ def test_a_matmulnbits_kernel_fault_is_blamed_on_the_backend(quantized, monkeypa
     assert found.finding is not None and found.finding.cause == "backend"
     assert found.finding.op_type == "MatMulNBits"
     assert found.finding.max_abs == pytest.approx(1e-4, rel=1e-2)
+
+
+def test_a_graph_with_kernels_the_reference_lacks_is_not_localised(tmp_path):
+    """An `ort` lowering's GroupQueryAttention has no reference kernel: the localisation says so, no traceback."""
+    from exporters.onnx_export import export_model
+    from models.presets import get_preset
+
+    spec = get_preset("decoder-small-gqa")
+    export_model(spec.build(), spec.family, spec.config, tmp_path / "ort", lowering="ort", variant="serving")
+    artifact = open_artifact(tmp_path / "ort")
+    feed = graph_feed(artifact.graphs[0], default_inputs(artifact, None, None, 0)[0], {})
+    found = localize_stage(artifact, "ort-cpu", "logits", feed)
+    assert found.finding is None and found.nodes_checked == 0
+    assert "com.microsoft::SkipSimplifiedLayerNormalization" in found.note
+    assert "--lowering standard or functions" in found.note
+    # Through the CLI: a failing check (an Add turned into a Sub) with --localize keeps its verdict, exit 1.
+
+    def mutate(model):
+        next(n for n in model.graph.node if n.name == "lowering/Mul_110").op_type = "Add"  # SwiGLU: gate * up
+
+    mutated = mutated_copy(artifact, tmp_path, mutate)
+    result = CliRunner().invoke(main, ["check", str(mutated.directory), "--backends", "ort-cpu", "--localize"])
+    assert result.exit_code == 1 and "RESULT: FAIL" in result.output, result.output
+    assert "not localised: the graph holds com.microsoft::" in result.output and "Traceback" not in result.output
