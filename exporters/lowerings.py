@@ -236,7 +236,7 @@ class _Rewriter(AttentionLowering):
         self.graph = self.model.graph
         self.inits = {i.name: i for i in self.graph.initializer}
         self.new_nodes: list = []
-        self.new_inits: list = []
+        self.new_inits: list[str] = []  # names of the initializers the rewrite adds
         self.fused: dict = {}
         self.counter = 0
         self.shared: dict = {}
@@ -257,7 +257,10 @@ class _Rewriter(AttentionLowering):
 
     def const(self, array: np.ndarray, hint: str) -> str:
         name = self.name(hint)
-        self.new_inits.append(numpy_helper.from_array(np.asarray(array, order="C"), name))  # a 0-d array stays 0-d
+        # Made inside the graph at once: a TensorProto added later is copied whole (a fused projection of a
+        # large model is hundreds of MB). A 0-d array stays 0-d.
+        self.graph.initializer.add().CopyFrom(numpy_helper.from_array(np.asarray(array, order="C"), name))
+        self.new_inits.append(name)
         return name
 
     def ints(self, values, hint="ints") -> str:
@@ -315,7 +318,7 @@ class _Rewriter(AttentionLowering):
                     f"export with --lowering {DEFAULT_LOWERING}"
                 )
         kept = [n for n in graph.node if id(n) not in self.removed]
-        available = self.graph_inputs | set(self.inits) | {i.name for i in self.new_inits}
+        available = self.graph_inputs | set(self.inits) | set(self.new_inits)
         nodes = topological(kept + self.new_nodes, available)
         if nodes is None:
             produced = {o for n in kept + self.new_nodes for o in n.output}
@@ -325,7 +328,6 @@ class _Rewriter(AttentionLowering):
             )
         del graph.node[:]
         graph.node.extend(nodes)
-        graph.initializer.extend(self.new_inits)
         _dead_code_elimination(graph)
         leftovers = sorted({n.op_type for n in graph.node if n.op_type == "Softmax" or n.domain == CUSTOM_DOMAIN})
         if leftovers:
@@ -481,9 +483,9 @@ def _dead_code_elimination(graph) -> None:
     keep.reverse()
     del graph.node[:]
     graph.node.extend(keep)
-    inits = [i for i in graph.initializer if i.name in needed]
-    del graph.initializer[:]
-    graph.initializer.extend(inits)
+    for i in reversed(range(len(graph.initializer))):  # in place: re-adding the kept ones would copy them
+        if graph.initializer[i].name not in needed:
+            del graph.initializer[i]
 
 
 def custom_domains(lowering: str) -> dict[str, int]:
