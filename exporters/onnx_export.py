@@ -102,8 +102,9 @@ def export_model(
     progress(message): called as each step ends (traced, lowered, converted, written), for a progress display.
     release_weights: the graphs take the model's weights over, each parameter freed once written (in the export
     dtype) into the last initializer that holds it, so the export holds one copy of the weights instead of
-    two; the model is left without its weights. It applies to the default lowering, whose rewrite reads no
-    weight values; the other lowerings rebuild weights from the model and keep it whole.
+    two; the model is left without its weights. It applies to the default lowering, and to the others in
+    float32 (their rewrite reads the weights it fuses from the released bytes and releases the originals a
+    layer at a time); a float16/bfloat16 export with another lowering keeps the model whole.
     """
     progress = progress or (lambda message: None)
     fam = get_family(family)
@@ -114,7 +115,9 @@ def export_model(
     lowerings.check_supported(family, config, lowering)
     precision.check_supported(dtype, lowering)
     check_output_dir(Path(out_dir))  # before the slow trace
-    release = release_weights and lowering == lowerings.DEFAULT_LOWERING
+    # The other lowerings read the weights they fuse from the graph's pending bytes, so they release too; in
+    # float32 only, as the rewrite reads and writes the traced (float32) weights.
+    release = release_weights and (lowering == lowerings.DEFAULT_LOWERING or dtype == "float32")
     # Released weights are converted one tensor at a time as they are written; a traced model is float32, and
     # so are the buffers (RoPE frequencies) in both cases.
     if release:
@@ -159,7 +162,7 @@ def export_model(
         )
     if lowering != lowerings.DEFAULT_LOWERING:
         progress(f"lowering to {lowering}")
-        used = _lower(model, family, config, lowering, protos, entries)
+        used = _lower(model, family, config, lowering, protos, entries, fill.pending if release else None)
     _check_weights_covered(model, entries)
     if release:  # every weight is in a graph now (a whole-model trace holds them besides the model's copy)
         with torch.no_grad():
@@ -324,13 +327,23 @@ def _trace_one_block(model, family: str, config, graph_name: str, variant: str, 
     )
 
 
-def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict]) -> set[str]:
-    """Rewrite every traced graph with `lowering`; re-map the weights (fused ones as slices)."""
+def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict], pending=None) -> set[str]:
+    """Rewrite every traced graph with `lowering`; re-map the weights (fused ones as slices).
+
+    pending: the released weights' bytes (WeightFill.pending). The model then holds no weights to find by
+    content, so the map is the traced one, less what the rewrite dropped, plus what it moved."""
     used = set()
     for entry in entries:
-        proto, fused, notes = lowerings.lower(protos[entry["name"]], lowering, family, config, entry["weights"])
+        proto, moved, notes = lowerings.lower(
+            protos[entry["name"]], lowering, family, config, entry["weights"], pending
+        )
         protos[entry["name"]] = proto
-        entry["weights"] = {**_weight_map(model, proto), **fused}
+        if pending is None:
+            entry["weights"] = {**_weight_map(model, proto), **moved}
+        else:
+            kept = {init.name for init in proto.graph.initializer}
+            traced = {name: place for name, place in entry["weights"].items() if place["initializer"] in kept}
+            entry["weights"] = {**traced, **moved}
         entry["custom_ops"] = sorted({f"{n.domain}::{n.op_type}" for n in proto.graph.node if n.domain})
         entry.update(notes)
         used |= set(entry["custom_ops"])
