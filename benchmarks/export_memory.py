@@ -6,6 +6,13 @@ peak resident set size (getrusage RUSAGE_CHILDREN) and wall time. The ratio to t
 issue 16 targets (at most 1.3x).
 
     .venv/bin/python benchmarks/export_memory.py --layers 20 --json benchmarks/results/2026-12-01-export-memory.json
+
+--from PATH exports that checkpoint instead (its weight bytes are the float32 data file's size), --lowering
+picks the lowering, and --repeats N runs the export N times, each in a fresh child, reporting the median.
+
+    .venv/bin/python benchmarks/gguf_shape.py llama-3.2-1b --type q4_0 --out /tmp/race-1b/llama-3.2-1b-shape.Q4_0.gguf
+    .venv/bin/python benchmarks/export_memory.py --from /tmp/race-1b/llama-3.2-1b-shape.Q4_0.gguf --lowering ort \
+        --repeats 3 --json benchmarks/results/2026-12-02-export-memory-1b-ort.json
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import argparse
 import json
 import os
 import platform
-import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,36 +47,56 @@ def build(directory: Path, layers: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def export_once(toolkit: list[str], source: Path, out: Path, lowering: str) -> tuple[int, float]:
+    """(peak RSS bytes, seconds) of one `toolkit export` in a fresh child (measured by `time -v`'s getrusage)."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        ["/usr/bin/time", "-f", "%M", *toolkit, "export", "--from", str(source), "--out", str(out), "--no-verify",
+         "--lowering", lowering],
+        check=True, cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    return int(done.stderr.strip().splitlines()[-1]) * 1024, time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--from", dest="source", type=Path, help="export this checkpoint instead of building one")
+    parser.add_argument("--lowering", default="functions")
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     toolkit = [str(Path(sys.executable).parent / "toolkit")]
+    runs = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
-        parameters = build(Path(tmp) / "hf", args.layers)
-        load_before = os.getloadavg()
-        start = time.perf_counter()
-        subprocess.run(
-            [*toolkit, "export", "--from", str(Path(tmp) / "hf"), "--out", str(Path(tmp) / "art"), "--no-verify"],
-            check=True,
-            cwd=ROOT,
-            capture_output=True,
-        )
-        seconds = time.perf_counter() - start
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the export is the largest child
-        files = {p.name: p.stat().st_size for p in (Path(tmp) / "art").iterdir()}
-    weights = parameters * 4
+        source = args.source or Path(tmp) / "hf"
+        parameters = None if args.source else build(source, args.layers)
+        for k in range(args.repeats):
+            out = Path(tmp) / f"art{k}"
+            load_before = os.getloadavg()
+            peak, seconds = export_once(toolkit, source, out, args.lowering)
+            files = {p.name: p.stat().st_size for p in out.iterdir()}
+            runs.append({"peak_rss_bytes": peak, "export_seconds": seconds, "files": files,
+                         "load_average_before": load_before, "load_average_after": os.getloadavg()})  # fmt: skip
+            shutil.rmtree(out)
+    # float32 weights: the parameters built here, or an export's external data file
+    weights = parameters * 4 if parameters else max(size for name, size in files.items() if name.endswith(".data"))
+    peak = statistics.median(r["peak_rss_bytes"] for r in runs)
     result = {
-        "layers": args.layers,
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "source": str(source) if args.source else f"random Llama, {args.layers} layers",
+        "lowering": args.lowering,
+        "layers": args.layers if not args.source else None,
         "parameters": parameters,
         "weight_bytes_float32": weights,
         "peak_rss_bytes": peak,
         "peak_rss_over_weights": peak / weights,
-        "export_seconds": seconds,
-        "files": files,
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        "peak_rss_over_weights_spread": [
+            min(r["peak_rss_bytes"] for r in runs) / weights,
+            max(r["peak_rss_bytes"] for r in runs) / weights,
+        ],  # fmt: skip
+        "export_seconds": statistics.median(r["export_seconds"] for r in runs),
+        "runs": runs,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
     }
     print(json.dumps(result, indent=2))

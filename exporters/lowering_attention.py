@@ -220,7 +220,10 @@ class AttentionLowering:
         if self.lowering != "ort":
             out = []
             for proj, (init, w), bias in zip(projections, matrices, biases, strict=True):
-                weight = init if self.weights_entry(f"{prefix}.{proj}.weight")["transpose"] else self.const(w, proj)
+                weight = init
+                if not self.weights_entry(f"{prefix}.{proj}.weight")["transpose"]:  # stored [out, in]: a [in, out] copy
+                    weight = self.const(w, proj)
+                    self.record_moved(f"{prefix}.{proj}.weight", weight)
                 y = self.node("MatMul", [x, weight])
                 out.append(self.node("Add", [y, bias["initializer"]]) if bias else y)
             return (*out, None)

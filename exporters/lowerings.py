@@ -243,7 +243,7 @@ class _Rewriter(AttentionLowering):
         self.inits = {i.name: i for i in self.graph.initializer}
         self.new_nodes: list = []
         self.new_inits: list[str] = []  # names of the initializers the rewrite adds
-        self.fused: dict = {}
+        self.moved: dict = {}  # the weights the rewrite moved or fused (record_moved, record_fused)
         self.counter = 0
         self.shared: dict = {}
         self.shapes: dict | None = None  # the traced values' dims, read once a norm asks (_shape)
@@ -309,7 +309,7 @@ class _Rewriter(AttentionLowering):
 
     def record_moved(self, torch_name: str, initializer: str) -> None:
         """The torch tensor is `initializer` transposed (a weight the rewrite stores as [in, out])."""
-        self.fused[torch_name] = {"initializer": initializer, "transpose": True}
+        self.moved[torch_name] = {"initializer": initializer, "transpose": True}
 
     def weights_entry(self, torch_name: str) -> dict:
         entry = self.weights.get(torch_name)
@@ -327,7 +327,7 @@ class _Rewriter(AttentionLowering):
 
     def record_fused(self, torch_name: str, fused: str, axis: int, start: int, stop: int, transpose: bool) -> None:
         """The torch tensor is `fused`[start:stop] along `axis`, transposed back when `transpose`."""
-        self.fused[torch_name] = {"initializer": fused, "transpose": transpose, "slice": [axis, start, stop]}
+        self.moved[torch_name] = {"initializer": fused, "transpose": transpose, "slice": [axis, start, stop]}
 
     # ---- driver -----------------------------------------------------------------------------------------
     def run(self):
@@ -387,7 +387,7 @@ class _Rewriter(AttentionLowering):
             self.model.opset_import.append(helper.make_opsetid(MS_DOMAIN, MS_DOMAIN_VERSION))
         # Value infos from the trace describe values that may be gone or renamed; inference restores them.
         del graph.value_info[:]
-        return self.model, self.fused, self.notes
+        return self.model, self.moved, self.notes
 
     def replace_output(self, old_name: str, new_node_output: str) -> None:
         """Make the value `old_name` come from the new nodes: the old producer's copy is renamed dead."""

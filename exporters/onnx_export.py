@@ -330,8 +330,9 @@ def _trace_one_block(model, family: str, config, graph_name: str, variant: str, 
 def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict], pending=None) -> set[str]:
     """Rewrite every traced graph with `lowering`; re-map the weights (fused ones as slices).
 
-    pending: the released weights' bytes (WeightFill.pending). The model then holds no weights to find by
-    content, so the map is the traced one, less what the rewrite dropped, plus what it moved."""
+    The model's weights are found by content (equal weights of the worked example share one initializer, which
+    the rewrite may replace by copies); with `pending` (WeightFill's released bytes) the model holds none, so
+    the map is the traced one, less what the rewrite dropped, plus what it moved."""
     used = set()
     for entry in entries:
         proto, moved, notes = lowerings.lower(
