@@ -28,8 +28,10 @@ MAX_JSON_BYTES = 16 << 20
 # The toolkit's own files nest a handful of levels (a manifest's weight places: 5); Hugging Face configs
 # a few more (rope parameters per layer type).
 MAX_DEPTH = 64
-# Sizes, offsets, ids and seeds fit in 64 bits: 20 digits.
-MAX_INT_DIGITS = 20
+# Sizes, offsets, ids and seeds fit in 64 bits (20 digits); transformers writes "no limit" in a tokenizer's
+# model_max_length as int(1e30), 31 digits, into most tokenizer_config.json files. 40 admits both and stays far
+# below the sizes whose conversion is slow.
+MAX_INT_DIGITS = 40
 
 # A JSON string, escapes included ("unrolled" so that long strings are matched in linear time).
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)

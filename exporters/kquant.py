@@ -12,6 +12,7 @@ offsets (exporters/gguf_blocks.py, exporters/quantize.py _with_offsets), the lay
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from exporters.gguf_blocks import NBitsWeight, pack4
 
@@ -47,35 +48,42 @@ def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NB
 
 def search(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q [B, L] uint8 in 0..top, s [B] float32, m [B] float32) minimising sum(w (s q + m - x)^2) per block of
-    x [B, L] over the candidate scales, w = rms(block) + |x|. A constant block is s = 0, m = its value."""
-    x = x.astype(np.float32)
-    low, high = x.min(axis=1), x.max(axis=1)
+    x [B, L] over the candidate scales, w = rms(block) + |x|. A constant block is s = 0, m = its value.
+
+    Computed with torch, whose elementwise kernels use every intra-op thread (numpy's use one): the search
+    dominates a k-quant recipe's time, about 2x faster here on 2 cores."""
+    x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    low, high = x.amin(dim=1), x.amax(dim=1)
     span = high - low
     flat = span == 0
-    span = np.where(flat, 1, span)
-    w = np.sqrt((x * x).mean(axis=1, keepdims=True)) + np.abs(x)
+    span = torch.where(flat, 1.0, span)
+    w = (x * x).mean(dim=1, keepdim=True).sqrt() + x.abs()
+    from_low = x - low[:, None]
 
     def rounded(levels):  # q for the candidate scale span / levels, from the block's minimum
-        return np.clip(np.rint((x - low[:, None]) * (levels / span)[:, None]), 0, top)
+        return torch.clamp(torch.round(from_low * (levels / span)[:, None]), 0, top)
 
-    best_q = rounded(np.full(len(x), float(top), dtype=np.float32))
+    def weighted_error(q, s, m):
+        return (w * (s[:, None] * q + m[:, None] - x) ** 2).sum(dim=1)
+
+    best_q = rounded(torch.tensor(float(top)))
     best_s, best_m = span / top, low
-    best = (w * (best_s[:, None] * best_q + best_m[:, None] - x) ** 2).sum(axis=1)
-    sum_w, sum_wx = w.sum(axis=1), (w * x).sum(axis=1)
+    best = weighted_error(best_q, best_s, best_m)
+    sum_w, sum_wx = w.sum(dim=1), (w * x).sum(dim=1)
     for step in range(SEARCH_STEPS + 1):
-        q = rounded(np.float32(top - 1 + SEARCH_DELTA * step))
+        q = rounded(torch.tensor(top - 1 + SEARCH_DELTA * step, dtype=torch.float32))
         wq = w * q
-        sum_q, sum_qq, sum_qx = wq.sum(axis=1), (wq * q).sum(axis=1), (wq * x).sum(axis=1)
+        sum_q, sum_qq, sum_qx = wq.sum(dim=1), (wq * q).sum(dim=1), (wq * x).sum(dim=1)
         det = sum_w * sum_qq - sum_q * sum_q
         ok = det > 0
-        det = np.where(ok, det, 1)
+        det = torch.where(ok, det, 1.0)
         s = (sum_w * sum_qx - sum_q * sum_wx) / det
         m = (sum_qq * sum_wx - sum_q * sum_qx) / det
-        error = (w * (s[:, None] * q + m[:, None] - x) ** 2).sum(axis=1)
+        error = weighted_error(q, s, m)
         better = ok & (s > 0) & (error < best)
-        best = np.where(better, error, best)
-        best_s, best_m = np.where(better, s, best_s), np.where(better, m, best_m)
-        best_q = np.where(better[:, None], q, best_q)
-    best_s, best_m = np.where(flat, 0, best_s), np.where(flat, low, best_m)
-    best_q = np.where(flat[:, None], 0, best_q)
-    return best_q.astype(np.uint8), best_s.astype(np.float32), best_m.astype(np.float32)
+        best = torch.where(better, error, best)
+        best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+        best_q = torch.where(better[:, None], q, best_q)
+    best_s, best_m = torch.where(flat, 0.0, best_s), torch.where(flat, low, best_m)
+    best_q = torch.where(flat[:, None], 0.0, best_q)
+    return best_q.to(torch.uint8).numpy(), best_s.numpy(), best_m.numpy()

@@ -75,7 +75,16 @@ def checkpoint(tmp_path_factory):
     model.save_pretrained(directory)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE})
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": True,
+                "chat_template": CHAT_TEMPLATE,
+                # transformers' "no limit" (int(1e30)), as most tokenizer_config.json files hold it
+                "model_max_length": int(1e30),
+            }
+        )
     )
     return directory, model, tok
 
