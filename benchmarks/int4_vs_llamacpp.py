@@ -45,7 +45,7 @@ VARIANTS = (
     "mixed-acc4=--bits 4 --recipe mixed --accuracy-level 4",  # from the float weights
     "kquant-acc4=--bits 4 --recipe kquant --accuracy-level 4",
     "rtn-acc4=--bits 4 --recipe rtn --accuracy-level 4",
-    "rtn=--bits 4 --recipe rtn",
+    "rtn=--bits 4 --recipe rtn --accuracy-level 0",
 )
 
 # The GGUF's own blocks at both accuracy levels: Q4_0 and Q8_0 are MatMulNBits blocks with no offsets.

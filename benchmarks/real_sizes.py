@@ -15,7 +15,9 @@ since transformers' own initialisation of a billion parameters takes minutes) pl
 tokenizer.json whose vocabulary has exactly the config's vocab_size entries ("<s>", "</s>", "<unk>", "w3", "w4", ...),
 so every id a random model generates decodes. Then, each in a child process through the `toolkit` CLI:
 
-  export float32 and bfloat16 (--no-verify), quantize --bits 4, check --decode-steps 2 on float32 and int4,
+  export float32 and bfloat16 (--no-verify), quantize --bits 4 --recipe rtn --accuracy-level 0 (named: the
+  committed results predate the mixed, level-4 default, and level 0 is what `check` holds to the dequantized
+  weights without --tolerances), check --decode-steps 2 on float32 and int4,
   bench at batch 1 (float32, int4 and SmolLM2's float32 export side by side, so SmolLM2's fraction of the
   bandwidth bound is measured in the same run), and with --serve-shapes also generate and serve one request.
 
@@ -484,10 +486,13 @@ def run_shape(name: str, runner: Runner, work: Path, args, smollm2: Path | None)
     return result
 
 
+RTN = ("--bits", "4", "--recipe", "rtn")  # the recipe the committed results were measured with
+
+
 def quantize(name: str, runner: Runner, a32: Path, a4: Path, a4_level4: Path, args, steps: dict) -> None:
     shutil.rmtree(a4, ignore_errors=True)
     steps["quantize_int4"] = runner.run(
-        f"{name}-quantize-int4", [TOOLKIT, "quantize", str(a32), "--bits", "4", "--out", str(a4)]
+        f"{name}-quantize-int4", [TOOLKIT, "quantize", str(a32), *RTN, "--accuracy-level", "0", "--out", str(a4)]
     )
     steps["quantize_int4"]["artifact_bytes"] = dir_bytes(a4)
     if args.int8_activations:
@@ -496,7 +501,7 @@ def quantize(name: str, runner: Runner, a32: Path, a4: Path, a4_level4: Path, ar
         shutil.rmtree(a4_level4, ignore_errors=True)
         steps["quantize_int4_level4"] = runner.run(
             f"{name}-quantize-int4-level4",
-            [TOOLKIT, "quantize", str(a32), "--bits", "4", "--accuracy-level", "4", "--out", str(a4_level4)],
+            [TOOLKIT, "quantize", str(a32), *RTN, "--accuracy-level", "4", "--out", str(a4_level4)],
         )
         steps["quantize_int4_level4"]["artifact_bytes"] = dir_bytes(a4_level4)
 

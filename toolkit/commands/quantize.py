@@ -29,7 +29,7 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     "searched scale and float minimum per block (plus per-block offsets); mixed: kquant with the vocabulary "
     "projection at 8 bits. rtn, hqq: re-round the float "
     "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
-    "at --bits (otherwise rtn, and the command says why); rtn for any other.",
+    "at --bits; otherwise (and the command says why) mixed at 4 bits and rtn at 8.",
 )
 @click.option(
     "--block-size",
@@ -46,9 +46,9 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 @click.option(
     "--accuracy-level",
     type=click.Choice([str(a) for a in ACCURACY_LEVELS]),
-    help="MatMulNBits compute: 0 float32 activations, 4 int8 activations (faster; for the recipes from float "
-    "weights, further from the float model). [default: 4 with the gguf recipe, llama.cpp's own int8 activations against "
-    "quantized weights; 0 otherwise]",
+    help="MatMulNBits compute: 4 int8 activations (ONNX Runtime's fast kernels; llama.cpp's own arithmetic for "
+    "quantized weights), 0 float32 activations (slower, much slower for 8-bit, mixed and hqq weights; toolkit "
+    "check then holds the graph to the dequantized weights without --tolerances). [default: 4]",
 )
 @click.option(
     "--greedy-tokens",
@@ -85,15 +85,17 @@ def command(
             f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks as they are "
             f"({', '.join(layouts)}; MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
         )
-        if accuracy_level == 0 and _slow_at_level_0(made["gguf"]["tensors"].values()):
-            click.echo(
-                "note: ONNX Runtime's CPU MatMulNBits has no fast float32-activation kernel for 8-bit or "
-                "float-zero-point weights; --accuracy-level 4 (int8 activations) decodes much faster"
-            )
+        slow = _slow_at_level_0(made["gguf"]["tensors"].values())
     else:
         click.echo(
             f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {made['bits']}-bit "
             f"(block {made['block_size']}, {result.recipe}, MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
+        )
+        slow = made["bits"] == 8 or result.recipe in ("mixed", "hqq")  # mixed: the 8-bit head
+    if accuracy_level == 0 and slow:
+        click.echo(
+            "note: ONNX Runtime's CPU MatMulNBits has no fast float32-activation kernel for 8-bit or "
+            "float-zero-point weights; --accuracy-level 4 (int8 activations) decodes much faster"
         )
     click.echo(f"quality vs the float model on ort-cpu ({q['prompts']} fixed prompts, {q['inputs']}):")
     click.echo(f"  logits abs error:  max {q['logits_max_abs']:.4g}, mean {q['logits_mean_abs']:.4g}")

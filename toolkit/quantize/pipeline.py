@@ -71,6 +71,14 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 # quantizers.
 RECIPES = ("gguf", "kquant", "mixed", *ALGORITHMS)
 HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
+# Without --recipe, float weights take the recipe that keeps the model best at each width, measured on SmolLM2
+# with weights on and off a 4-bit grid (benchmarks/recipes_offgrid.py): mixed at 4 bits (rtn's perplexity rise
+# is 3x mixed's); rtn at 8 bits, where a float minimum gains nothing measurable and its offsets cost decode time.
+DEFAULT_RECIPES = {4: "mixed", 8: "rtn"}
+# int8 activations: ONNX Runtime's fast MatMulNBits kernels (level 0 has none for 8-bit or float-zero-point
+# weights) and what llama.cpp computes with quantized weights. Level 0 stays a flag: toolkit check holds its
+# graph to the dequantized weights exactly.
+DEFAULT_ACCURACY_LEVEL = 4
 
 
 @dataclass
@@ -98,12 +106,12 @@ def quantize_artifact(
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically).
 
     recipe: "gguf" takes each weight's blocks from the GGUF the artifact was exported from, as they are
-    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "rtn" or "hqq" (also
-    spelled `algorithm`) re-round the float weights at `bits` and `block_size` (default 32). Unnamed, a GGUF
-    export takes the gguf recipe where the file's blocks can be taken as they are at `bits`, and rtn otherwise
-    (the notes say why); any other artifact takes rtn. accuracy_level: None is the recipe's default, 4 for
-    gguf (int8 activations against the file's blocks: llama.cpp's own arithmetic for quantized weights) and 0
-    (float32 activations) for rtn and hqq. q4_1: the GGUF recipe's Q4_1 layout
+    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "kquant", "mixed", "rtn"
+    or "hqq" (the last two also spelled `algorithm`) quantize the float weights at `bits` and `block_size`
+    (default 32). Unnamed, a GGUF export takes the gguf recipe where the file's blocks can be taken as they are
+    at `bits`, and DEFAULT_RECIPES[bits] otherwise (the notes say why); any other artifact takes
+    DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
+    0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout
     (exporters/gguf_blocks.Q4_1_LAYOUTS). progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
     named = recipe is not None or algorithm is not None
@@ -138,11 +146,11 @@ def quantize_artifact(
     if gguf is None and bits is None:
         why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
         raise ConfigError(f"--bits is required{why}")
-    recipe = "gguf" if gguf is not None else recipe or "rtn"
+    recipe = "gguf" if gguf is not None else recipe or DEFAULT_RECIPES[bits]
     algorithm = "rtn" if recipe == "gguf" else recipe
     block_size = block_size or 32
     if accuracy_level is None:
-        accuracy_level = 4 if gguf is not None else 0
+        accuracy_level = DEFAULT_ACCURACY_LEVEL
 
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, object] = {}
@@ -274,7 +282,10 @@ def _gguf_source(
     try:
         return gguf_recipe(source, bits, q4_1), []
     except (ModelFileError, ConfigError) as exc:  # GGUFRecipeError, or the file moved or changed since export
-        return None, [f"note: re-rounding with rtn, since the gguf recipe cannot take this GGUF as it is: {exc}"]
+        instead = "" if bits is None else f" with {DEFAULT_RECIPES[bits]}"
+        return None, [
+            f"note: quantizing the float weights{instead}, since the gguf recipe cannot take this GGUF as it is: {exc}"
+        ]
 
 
 def _check_language_model(artifact: Artifact) -> None:

@@ -202,9 +202,11 @@ def test_the_default_takes_the_blocks_where_it_can(cases, tmp_path):
     assert (made["recipe"], made["bits"], made["accuracy_level"]) == ("gguf", 4, 4)
     result = invoke("quantize", source.directory, "--bits", 8, "--out", tmp_path / "q8", "--greedy-tokens", 2)
     assert result.exit_code == 0, result.output
-    assert "re-rounding with rtn, since the gguf recipe cannot take this GGUF as it is: --bits 8:" in result.stdout
+    assert "quantizing the float weights with rtn, since the gguf recipe cannot take this GGUF as it is: --bits 8:" in (
+        result.stdout
+    )
     made = open_artifact(tmp_path / "q8").manifest.quantization
-    assert (made["recipe"], made["bits"], made["accuracy_level"]) == ("rtn", 8, 0) and "gguf" not in made
+    assert (made["recipe"], made["bits"], made["accuracy_level"]) == ("rtn", 8, 4) and "gguf" not in made
     assert_user_error(
         invoke("quantize", source.directory, "--recipe", "gguf", "--bits", 8, "--out", tmp_path / "q"),
         "--bits 8:",
@@ -270,10 +272,10 @@ def test_an_unmappable_type_is_refused(tmp_path, bpe):
         invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"),
         "'blk.0.ffn_down.weight' is Q3_K, which MatMulNBits cannot hold as it is",
     )
-    assert_user_error(invoke("quantize", source, "--out", tmp_path / "q"), "--bits is required (re-rounding")
+    assert_user_error(invoke("quantize", source, "--out", tmp_path / "q"), "--bits is required (quantizing the float weights")
     result = invoke("quantize", source, "--bits", 4, "--out", tmp_path / "q", "--greedy-tokens", 2)
     assert result.exit_code == 0 and "'blk.0.ffn_down.weight' is Q3_K" in result.stdout, result.output
-    assert open_artifact(tmp_path / "q").manifest.quantization["recipe"] == "rtn"
+    assert open_artifact(tmp_path / "q").manifest.quantization["recipe"] == "mixed"
 
 
 def test_a_non_gguf_artifact_is_refused_by_the_gguf_recipe(tmp_path):

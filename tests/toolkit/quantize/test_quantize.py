@@ -45,7 +45,8 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quantized(source, tmp_path_factory):
-    """{4 | 8 | "hqq": (artifact, report from --json)} made through the CLI (rtn for 4 and 8 bits, hqq at 4)."""
+    """{4 | 8 | "hqq": (artifact, report from --json)} made through the CLI (rtn for 4 and 8 bits, hqq at 4), at
+    accuracy level 0 (float32 activations), so that the graphs compute the dequantized weights' function."""
     base = tmp_path_factory.mktemp("quantized")
     out = {}
     for key, bits, algorithm in ((4, 4, "rtn"), (8, 8, "rtn"), ("hqq", 4, "hqq")):
@@ -59,6 +60,8 @@ def quantized(source, tmp_path_factory):
             32,
             "--algorithm",
             algorithm,
+            "--accuracy-level",
+            0,
             "--out",
             target,
             "--json",
@@ -284,7 +287,9 @@ def test_the_kquant_recipe_is_closer_to_float_than_round_to_nearest(source, quan
     from tests.toolkit.quantize.test_gguf_recipe import graph_weight
 
     target = tmp_path / "kquant"
-    result = invoke("quantize", source.directory, "--recipe", "kquant", "--bits", 4, "--out", target)
+    result = invoke(
+        "quantize", source.directory, "--recipe", "kquant", "--bits", 4, "--accuracy-level", 0, "--out", target
+    )
     assert result.exit_code == 0 and "(block 32, kquant," in result.stdout, result.output
     artifact = open_artifact(target)
     assert artifact.manifest.quantization["quantizer"]["tool"] == "exporters.kquant"
@@ -328,6 +333,29 @@ def test_the_mixed_recipe_keeps_the_head_at_8_bits(source, tmp_path):
     want = float_matrices(source)["lm_head.weight"]
     assert np.abs(graph_weight(proto, node) - want).max() <= (want.max() - want.min()) / 255
     assert artifact.manifest.quantization["recipe"] == "mixed"
+
+
+def test_float_weights_default_to_mixed_at_4_bits_and_rtn_at_8_with_int8_activations(source, tmp_path):
+    """Without --recipe and --accuracy-level: 4 bits is mixed (the 8-bit head beside 4-bit blocks), 8 bits is rtn,
+    both at accuracy level 4; the 4-bit default's logits are nearer the float model's than rtn's at that level."""
+    made, logits = {}, {}
+    for name, options in {
+        "default-4": (4,),
+        "default-8": (8,),
+        "rtn-4": (4, "--recipe", "rtn", "--accuracy-level", 4),
+    }.items():
+        result = invoke(
+            "quantize", source.directory, "--bits", *options, "--out", tmp_path / name, "--greedy-tokens", 2
+        )
+        assert result.exit_code == 0, result.output
+        artifact = open_artifact(tmp_path / name)
+        quantization = artifact.manifest.quantization
+        made[name] = (quantization["recipe"], quantization["bits"], quantization["accuracy_level"])
+        logits[name] = ort_logits(artifact)
+    assert made == {"default-4": ("mixed", 4, 4), "default-8": ("rtn", 8, 4), "rtn-4": ("rtn", 4, 4)}
+    float_logits = ort_logits(source)
+    error = {name: np.abs(value - float_logits).mean() for name, value in logits.items()}
+    assert error["default-4"] < error["rtn-4"], error
 
 
 # --------------------------------------------------------------------------- errors and atomicity
@@ -596,7 +624,9 @@ def test_a_tied_head_large_enough_not_to_be_folded_at_export_checks_against_its_
     path.write_text(json.dumps({"family": "llama", "seed": 0, "config": {**config, "tie_embeddings": True}}))
     result = invoke("export", "--config", path, "--variant", "serving", "--out", tmp_path / "float")
     assert result.exit_code == 0, result.output
-    result = invoke("quantize", tmp_path / "float", "--bits", bits, "--out", tmp_path / "q", "--greedy-tokens", 2)
+    # Level 0 (float32 activations): check holds the graph to the dequantized weights without tolerances.
+    q = ("--bits", bits, "--accuracy-level", 0, "--out", tmp_path / "q", "--greedy-tokens", 2)
+    result = invoke("quantize", tmp_path / "float", *q)
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
     weights = manifest["graphs"][0]["weights"]

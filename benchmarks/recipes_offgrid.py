@@ -1,0 +1,142 @@
+"""The int4 recipes from float weights that lie on no 4-bit grid: what `toolkit quantize --bits 4` defaults to.
+
+SmolLM2-135M's only local checkpoint is its Q4_1 GGUF, whose dequantized weights lie exactly on a grid of a
+float scale and a float minimum per block of 32, the grid the k-quant search looks for: on them `mixed` looks
+better than it would on a trained float model. This script moves every 2-D weight off that grid: transformers
+reads the GGUF (dequantized, float32), Gaussian noise of `noise` times each row's RMS is added (a Q4_1 step is
+about a third of a row's RMS, so 0.03-0.08 is 10-25 % of a step), and the result is saved as a Hugging Face
+directory (safetensors, the GGUF's tokenizer). The float model is then that noisy one: its own perplexity is
+the baseline each recipe is measured against. Noise 0 is the GGUF's weights as they are (on the grid). For each
+noise level: `toolkit export --lowering ort`, then
+`toolkit quantize` with each recipe at 4 bits, and rtn and mixed at 8, recording the quality report (greedy agreement, perplexity,
+logit error against the float artifact on ort-cpu) and the quantize wall time.
+
+Needs transformers and accelerate (transformers' GGUF loader requires it); the saved config drops the keys that
+transformers copies from the GGUF's metadata and that no Hugging Face checkpoint holds (`_model_name_or_path`,
+`unk_token_id`), which the import would otherwise refuse as unknown.
+
+    .venv/bin/python benchmarks/recipes_offgrid.py --work /tmp/offgrid --json benchmarks/results/2026-12-02-recipes-offgrid.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from toolkit.bench.bench import smollm2_gguf  # noqa: E402
+
+TOOLKIT = [str(Path(sys.executable).parent / "toolkit")]
+RECIPES = {
+    "rtn, level 0": ["--bits", "4", "--recipe", "rtn", "--accuracy-level", "0"],
+    "rtn, level 4": ["--bits", "4", "--recipe", "rtn", "--accuracy-level", "4"],
+    "hqq, level 4": ["--bits", "4", "--recipe", "hqq", "--accuracy-level", "4"],
+    "kquant, level 4": ["--bits", "4", "--recipe", "kquant", "--accuracy-level", "4"],
+    "mixed, level 4": ["--bits", "4", "--recipe", "mixed", "--accuracy-level", "4"],
+    "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
+    "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--accuracy-level", "4"],
+}
+NOT_HF_KEYS = ("_model_name_or_path", "unk_token_id")  # transformers' GGUF metadata, in no HF checkpoint
+
+
+def noisy_checkpoint(gguf: Path, out: Path, noise: float, seed: int = 0) -> None:
+    """A Hugging Face directory of the GGUF's model with N(0, (noise * row RMS)^2) added to every 2-D weight."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                rms = parameter.pow(2).mean(dim=1, keepdim=True).sqrt()
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * rms * noise)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = model.config.to_dict()
+    for key in (*NOT_HF_KEYS, "quantization_config"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tokenizer.save_pretrained(out)
+
+
+def run(args: list, **kwargs) -> float:
+    start = time.perf_counter()
+    subprocess.run([str(a) for a in args], check=True, stdout=subprocess.DEVNULL, **kwargs)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--noise", default="0,0.03,0.08", help="comma-separated noise levels (times each row's RMS)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    import onnxruntime
+    import transformers
+
+    results = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "versions": {
+            "torch": torch.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "transformers": transformers.__version__,
+        },
+        "gguf": smollm2_gguf().name,
+        "levels": [],
+    }
+    for noise in (float(n) for n in args.noise.split(",")):
+        base = args.work / f"noise-{noise}"
+        checkpoint, exported = base / "hf", base / "ort"
+        if not (checkpoint / "model.safetensors").exists():
+            noisy_checkpoint(smollm2_gguf(), checkpoint, noise)
+        if not (exported / "manifest.json").exists():
+            run([*TOOLKIT, "export", "--from", checkpoint, "--lowering", "ort", "--out", exported])
+        level = {"noise_times_row_rms": noise, "recipes": {}}
+        for name, options in RECIPES.items():
+            out, report = base / name.replace(", ", "-").replace(" ", "-"), base / f"{name.replace(', ', '-')}.json"
+            if out.exists():
+                subprocess.run(["rm", "-rf", str(out)], check=True)
+            load = os.getloadavg()[0]
+            seconds = run([*TOOLKIT, "quantize", exported, *options, "--out", out, "--json", report, "--quiet"])
+            quality = json.loads(report.read_text())["quality"]
+            level["float_perplexity"] = quality["perplexity_float"]
+            level["recipes"][name] = {
+                "options": " ".join(options),
+                "greedy_agreement": quality["greedy_agreement"],
+                "perplexity": quality["perplexity_quantized"],
+                "perplexity_vs_float": quality["perplexity_quantized"] / quality["perplexity_float"] - 1,
+                "logits_max_abs": quality["logits_max_abs"],
+                "logits_mean_abs": quality["logits_mean_abs"],
+                "quantize_seconds": round(seconds, 1),
+                "load_average": load,
+            }
+            row = level["recipes"][name]
+            print(
+                f"noise {noise}: {name}: agreement {row['greedy_agreement']:.1%}, perplexity {row['perplexity']:.2f} "
+                f"({row['perplexity_vs_float']:+.1%} of float {level['float_perplexity']:.2f}), {seconds:.0f} s",
+                flush=True,
+            )
+        results["levels"].append(level)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
