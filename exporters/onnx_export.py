@@ -102,9 +102,9 @@ def export_model(
     progress(message): called as each step ends (traced, lowered, converted, written), for a progress display.
     release_weights: the graphs take the model's weights over, each parameter freed once written (in the export
     dtype) into the last initializer that holds it, so the export holds one copy of the weights instead of
-    two; the model is left without its weights. It applies to the default lowering, and to the others in
-    float32 (their rewrite reads the weights it fuses from the released bytes and releases the originals a
-    layer at a time); a float16/bfloat16 export with another lowering keeps the model whole.
+    two; the model is left without its weights. The ort and standard lowerings' rewrite (float32 only:
+    precision.check_supported) reads the weights it fuses or moves from the released bytes and releases the
+    originals a layer at a time.
     """
     progress = progress or (lambda message: None)
     fam = get_family(family)
@@ -115,9 +115,7 @@ def export_model(
     lowerings.check_supported(family, config, lowering)
     precision.check_supported(dtype, lowering)
     check_output_dir(Path(out_dir))  # before the slow trace
-    # The other lowerings read the weights they fuse from the graph's pending bytes, so they release too; in
-    # float32 only, as the rewrite reads and writes the traced (float32) weights.
-    release = release_weights and (lowering == lowerings.DEFAULT_LOWERING or dtype == "float32")
+    release = release_weights
     # Released weights are converted one tensor at a time as they are written; a traced model is float32, and
     # so are the buffers (RoPE frequencies) in both cases.
     if release:

@@ -29,7 +29,7 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     "searched scale and float minimum per block (plus per-block offsets); mixed: kquant with the vocabulary "
     "projection at 8 bits. rtn, hqq: re-round the float "
     "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
-    "at --bits; otherwise (and the command says why) mixed at 4 bits and rtn at 8.",
+    "at --bits (the command says why when it cannot); otherwise mixed at 4 bits and rtn at 8.",
 )
 @click.option(
     "--block-size",
