@@ -272,7 +272,9 @@ def test_an_unmappable_type_is_refused(tmp_path, bpe):
         invoke("quantize", source, "--recipe", "gguf", "--out", tmp_path / "q"),
         "'blk.0.ffn_down.weight' is Q3_K, which MatMulNBits cannot hold as it is",
     )
-    assert_user_error(invoke("quantize", source, "--out", tmp_path / "q"), "--bits is required (quantizing the float weights")
+    assert_user_error(
+        invoke("quantize", source, "--out", tmp_path / "q"), "--bits is required (quantizing the float weights"
+    )
     result = invoke("quantize", source, "--bits", 4, "--out", tmp_path / "q", "--greedy-tokens", 2)
     assert result.exit_code == 0 and "'blk.0.ffn_down.weight' is Q3_K" in result.stdout, result.output
     assert open_artifact(tmp_path / "q").manifest.quantization["recipe"] == "mixed"
