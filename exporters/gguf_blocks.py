@@ -72,7 +72,8 @@ GRID_MULTIPLES = (1, 2, 4, 8, 16)  # Q4_1 on the 8-bit grid: scale d/k, exact in
 class NBitsWeight:
     """A MatMulNBits B for N output columns: packed [N, blocks, blob] uint8, scales [N * blocks] float32, zero points
     None (the default 2^(bits-1)), uint8 (one per block at 8 bits, two per byte at 4) or float32 [N * blocks];
-    offsets None or float32 [N * blocks], added to every value of their block (a float minimum)."""
+    offsets None or float32 [N * blocks], added to every value of their block (a float minimum). K is the blocks'
+    span unless `partial_k` gives a smaller one (the last block padded, as MatMulNBits allows)."""
 
     bits: int
     packed: np.ndarray
@@ -81,6 +82,7 @@ class NBitsWeight:
     exact: bool  # bit for bit the GGUF's dequantized values
     offsets: np.ndarray | None = None
     block_size: int = 32
+    partial_k: int | None = None
 
     @property
     def n(self) -> int:
@@ -88,7 +90,7 @@ class NBitsWeight:
 
     @property
     def k(self) -> int:
-        return self.packed.shape[1] * self.block_size
+        return self.partial_k or self.packed.shape[1] * self.block_size
 
     def rows(self, start: int, stop: int) -> NBitsWeight:
         """Output columns [start, stop) of this weight (its rows of blocks, scales and zero points)."""
@@ -104,6 +106,7 @@ class NBitsWeight:
             self.exact,
             part(self.offsets),
             self.block_size,
+            self.partial_k,
         )
 
     def dequantize(self) -> np.ndarray:
@@ -112,7 +115,7 @@ class NBitsWeight:
             self.packed, self.scales, self.zero_points, bits=self.bits, block_size=self.block_size, k=self.k, n=self.n
         )
         if self.offsets is not None:
-            weight += np.repeat(self.offsets.reshape(self.n, -1).T, self.block_size, axis=0)
+            weight += np.repeat(self.offsets.reshape(self.n, -1).T, self.block_size, axis=0)[: self.k]
         return weight
 
 

@@ -22,18 +22,26 @@ SLAB_VALUES = 1 << 22  # values searched at a time (the candidates' arrays are a
 
 
 def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NBitsWeight:
-    """The MatMulNBits weight (with offsets) of float `weight` [K, N] (a MatMul's B), K a multiple of the block."""
+    """The MatMulNBits weight (with offsets) of float `weight` [K, N] (a MatMul's B). A K that does not fill its
+    last block is padded, as MatMulNBits pads it: the padding repeats the block's smallest value (so the block's
+    range is its own) with no weight in the search, and its codes are 0."""
     k, n = weight.shape
-    if k % block_size:
-        raise ValueError(f"K = {k} is not a multiple of the block size {block_size}")
     rows = np.ascontiguousarray(weight.T, dtype=np.float32)  # [N, K]: one row of blocks per output column
+    valid = None
+    if k % block_size:
+        pad = block_size - k % block_size
+        last = rows[:, k - (block_size - pad) :].min(axis=1, keepdims=True)
+        rows = np.concatenate([rows, np.repeat(last, pad, axis=1)], axis=1)
+        valid = np.arange(k + pad) < k
+        k_real, k = k, k + pad
     q = np.empty((n, k), dtype=np.uint8)
     scales = np.empty((n, k // block_size), dtype=np.float32)
     minimums = np.empty_like(scales)
     slab = max(1, SLAB_VALUES // k)
     for start in range(0, n, slab):
         chunk = rows[start : start + slab]
-        found = search(chunk.reshape(-1, block_size), (1 << bits) - 1)
+        mask = None if valid is None else np.broadcast_to(valid, chunk.shape).reshape(-1, block_size)
+        found = search(chunk.reshape(-1, block_size), (1 << bits) - 1, mask)
         stop = start + len(chunk)
         q[start:stop] = found[0].reshape(stop - start, k)
         scales[start:stop] = found[1].reshape(stop - start, -1)
@@ -43,12 +51,15 @@ def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NB
     packed = q.reshape(n, -1, block_size)
     if bits == 4:
         packed = pack4(packed)
-    return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size)
+    partial = None if valid is None else k_real
+    return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size, partial)
 
 
-def search(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def search(x: np.ndarray, top: int, valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q [B, L] uint8 in 0..top, s [B] float32, m [B] float32) minimising sum(w (s q + m - x)^2) per block of
-    x [B, L] over the candidate scales, w = rms(block) + |x|. A constant block is s = 0, m = its value.
+    x [B, L] over the candidate scales, w = rms(block) + |x|. A constant block is s = 0, m = its value. valid
+    [B, L] (bool): the values that count (w = 0 and the rms without the others); the others must lie in the
+    block's range.
 
     Computed with torch, whose elementwise kernels use every intra-op thread (numpy's use one): the search
     dominates a k-quant recipe's time, about 2x faster here on 2 cores."""
@@ -57,7 +68,12 @@ def search(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     span = high - low
     flat = span == 0
     span = torch.where(flat, 1.0, span)
-    w = (x * x).mean(dim=1, keepdim=True).sqrt() + x.abs()
+    if valid is None:
+        w = (x * x).mean(dim=1, keepdim=True).sqrt() + x.abs()
+    else:
+        counted = torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)
+        rms = ((x * x * counted).sum(dim=1, keepdim=True) / counted.sum(dim=1, keepdim=True)).sqrt()
+        w = (rms + x.abs()) * counted
     from_low = x - low[:, None]
 
     def rounded(levels):  # q for the candidate scale span / levels, from the block's minimum

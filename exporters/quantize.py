@@ -224,16 +224,17 @@ def _with_offsets(proto, weights, node, b: str, weight, made: list, ranks: dict,
     ([blocks, N], initializer f"{b}{OFFSETS}") the offset of each block of each output column. MatMulNBits
     holds only an integer zero point per block; the sums of A over each block, times C, add the float part.
     The block sums of one A are computed once for all its MatMuls: a Reshape to [..., blocks, block] and a
-    ReduceSum where A's rank is known, else a MatMul with a 0/1 [K, blocks] matrix."""
+    ReduceSum where A's rank is known and K fills its blocks, else a MatMul with a 0/1 [K, blocks] matrix (which
+    also sums a last, partial block)."""
     import onnx
 
     a, k, block = node.input[0], weight.k, weight.block_size
-    blocks = k // block
+    blocks = -(-k // block)
     key = (a, k)
     if key not in block_sums:
         sums = f"{a}_block_sums{block}"
         rank = ranks.get(a)
-        if rank is not None and rank >= 2:
+        if rank is not None and rank >= 2 and k % block == 0:
             shape = f"{b}_block_shape"
             _hold(proto, weights, shape, np.array([0] * (rank - 1) + [blocks, block], dtype=np.int64))
             axis = f"{b}_block_axis"

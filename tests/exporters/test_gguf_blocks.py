@@ -68,7 +68,8 @@ def with_offsets(weight) -> np.ndarray:
     values = oracle(weight).T.astype(np.float32)
     if weight.offsets is None:
         return values
-    return values + np.repeat(weight.offsets.reshape(weight.n, -1), weight.block_size, axis=1)
+    offsets = np.repeat(weight.offsets.reshape(weight.n, -1), weight.block_size, axis=1)[:, : values.shape[1]]
+    return values + offsets
 
 
 def gguf_rows(kind, rows=8, k=512, seed=0) -> np.ndarray:

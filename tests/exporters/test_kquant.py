@@ -65,9 +65,17 @@ def test_constant_and_tiny_blocks():
     assert np.abs(values - x).max() <= 1 / 15
 
 
-def test_k_not_a_multiple_of_the_block_is_refused():
-    with pytest.raises(ValueError, match="not a multiple of the block size"):
-        kquant_blocks(np.zeros((40, 8), dtype=np.float32))
+def test_a_k_that_does_not_fill_its_last_block_is_padded_without_moving_the_fit():
+    """K = 40: the second block holds 8 values and 24 of padding. The values are those of searching the 8 alone
+    (the padding neither widens the range nor weighs in the fit), and the dequantized matrix is [40, N]."""
+    w = fixture_weights()[:40, :16]
+    weight = kquant_blocks(w)
+    assert weight.k == 40 and weight.packed.shape[:2] == (16, 2)
+    got = weight.dequantize()
+    assert got.shape == (40, 16) and np.allclose(with_offsets(weight).T, got, rtol=0, atol=1e-6)
+    alone = search(np.ascontiguousarray(w[32:].T), 15)  # the 8 values of each column's last block, no padding
+    want = alone[1][:, None] * alone[0] + alone[2][:, None]  # [16, 8]
+    assert np.allclose(got[32:].T, want, rtol=0, atol=1e-6)
 
 
 def test_the_search_improves_on_its_starting_point():

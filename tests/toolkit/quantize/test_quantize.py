@@ -358,6 +358,21 @@ def test_float_weights_default_to_mixed_at_4_bits_and_rtn_at_8_with_int8_activat
     assert error["default-4"] < error["rtn-4"], error
 
 
+def test_widths_that_do_not_fill_a_block_quantize_and_check_with_the_default_recipe(tmp_path):
+    """Width 48 and FFN 80: every K leaves its last block of 32 partial. The default (mixed: offsets, whose block
+    sums then come from a 0/1 matrix) writes a graph that computes its dequantized weights: check passes at level
+    0 with cached decode steps."""
+    config = {"vocab_size": 96, "layers": 1, "width": 48, "heads": 4, "kv_heads": 2, "ff_width": 80}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"family": "llama", "seed": 0, "config": config}))
+    assert invoke("export", "--config", path, "--variant", "serving", "--out", tmp_path / "float").exit_code == 0
+    options = ("--bits", 4, "--accuracy-level", 0, "--out", tmp_path / "q", "--greedy-tokens", 2)
+    result = invoke("quantize", tmp_path / "float", *options)
+    assert result.exit_code == 0 and "(block 32, mixed," in result.stdout, result.output
+    check = invoke("check", tmp_path / "q", "--backends", "eager,ort-cpu,onnx-reference", "--decode-steps", 2)
+    assert check.exit_code == 0 and "RESULT: PASS" in check.output, check.output
+
+
 # --------------------------------------------------------------------------- errors and atomicity
 
 
