@@ -30,6 +30,9 @@ _USER_ERRNOS = {
 }
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE
+
+
 class UserError(click.ClickException):
     """A ToolkitError at the CLI edge: one line on stderr, exit status 2 (1 means "backends disagree")."""
 
@@ -54,6 +57,12 @@ class ToolkitGroup(click.Group):
             raise UserError(f"{exc.format_message()} (see `{where} --help`)") from None
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except BrokenPipeError:
+            # The reader of our output went away (`toolkit ... | head`): not a verdict and not a bug. Python's
+            # documented handling: stdout to devnull, so the interpreter's last flush cannot raise again, and the
+            # status a shell gives a writer killed by SIGPIPE.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(EXIT_BROKEN_PIPE)
         except OSError as exc:
             if exc.errno in _USER_ERRNOS:
                 where = f"{exc.filename}: " if exc.filename else ""

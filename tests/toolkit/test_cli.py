@@ -318,3 +318,29 @@ def test_check_with_both_artifact_and_preset(block_dir):
 
 def test_check_with_non_positive_batch(block_dir):
     assert_user_error(invoke("check", block_dir, "--batch", 0), "batch")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_the_sigpipe_status():
+    """`toolkit ... | head`: once the pipe's reader has gone, a write raises BrokenPipeError. That is neither a
+    verdict nor a toolkit bug: no "internal error" line, status 141 (128 + SIGPIPE), as a shell reports it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import click, sys\n"
+        "from toolkit.cli import main\n"
+        "@main.command('flood')\n"
+        "def flood():\n"
+        "    for _ in range(100_000):\n"
+        "        click.echo('x' * 100)\n"
+        "sys.argv = ['toolkit', 'flood']\n"
+        "main()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    child.stdout.read(1000)  # the reader takes a little, then leaves
+    child.stdout.close()
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 141, stderr
+    assert "internal error" not in stderr and "Traceback" not in stderr, stderr
