@@ -150,7 +150,8 @@ def test_localize_on_an_eager_backend_says_why_not(block, tmp_path):
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    """A 2-layer Llama quantized to int4 (MatMulNBits, block 32), as `toolkit quantize` writes it."""
+    """A 2-layer Llama quantized to int4 (MatMulNBits, block 32) with the default recipe, as `toolkit quantize`
+    writes it, at accuracy level 0: float32 activations, so that check holds it to its dequantized weights."""
     from exporters.onnx_export import export_model
     from models.registry import build_model, get_family
     from toolkit.quantize.pipeline import quantize_artifact
@@ -160,7 +161,7 @@ def quantized(tmp_path_factory):
     )
     base = tmp_path_factory.mktemp("localize-int4")
     export_model(build_model("llama", config, seed=0), "llama", config, base / "float", variant="serving")
-    return quantize_artifact(base / "float", base / "int4", bits=4).artifact
+    return quantize_artifact(base / "float", base / "int4", bits=4, accuracy_level=0).artifact
 
 
 def test_a_quantized_artifact_checks_on_every_default_backend(quantized):
