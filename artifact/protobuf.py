@@ -13,8 +13,15 @@ def is_repeated(field) -> bool:
     return field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
 
 
-def serialize_model(model: onnx.ModelProto) -> bytearray:
+RAW_DATA_FIELD = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
+
+
+def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearray:
     """The bytes of model.SerializeToString(), assembled from parts into one buffer.
+
+    raw: {initializer name: its bytes (a buffer)} for initializers that declare no raw_data of their own; each is
+    written as that initializer's raw_data, straight from the buffer (taken from `raw` as it is written, so a
+    graph's weights are never copied into the message and out again), as if the message held it.
 
     protobuf (upb) serialises a model holding hundreds of MB of initializers in seconds, several
     times slower than the same bytes serialised one initializer at a time. Fields go out in
@@ -34,7 +41,11 @@ def serialize_model(model: onnx.ModelProto) -> bytearray:
     out = bytearray(head.SerializeToString())
     if model.HasField("graph"):
         # The graph's length prefix comes first: sum the initializers' sizes without serialising them.
-        sizes = [tensor.ByteSize() for tensor in model.graph.initializer]
+        outside = _raw_outside(model.graph.initializer, raw or {})
+        sizes = [
+            tensor.ByteSize() + _raw_field_size(outside[tensor.name]) if tensor.name in outside else tensor.ByteSize()
+            for tensor in model.graph.initializer
+        ]
         init_tag = _varint(init_field.number << 3 | 2)  # wire type 2: length-delimited
         graph_head_bytes, graph_tail_bytes = graph_head.SerializeToString(), graph_tail.SerializeToString()
         graph_size = (
@@ -47,9 +58,31 @@ def serialize_model(model: onnx.ModelProto) -> bytearray:
             # One initializer at a time (a few MB), appended to the one buffer (grown in place).
             out += init_tag + _varint(size)
             out += tensor.SerializeToString()
+            if tensor.name in outside:  # raw_data's field number follows every field such a tensor declares
+                data = raw.pop(tensor.name)
+                out += _varint(RAW_DATA_FIELD << 3 | 2) + _varint(len(data))
+                out += memoryview(data).cast("B")
+                del data
         out += graph_tail_bytes
     out += tail.SerializeToString()
     return out
+
+
+def _raw_outside(initializers, raw: dict) -> dict:
+    """{name: bytes} of the initializers whose raw_data comes from `raw`: those without raw_data of their own
+    and with no field numbered after raw_data's (which protobuf would write after it)."""
+    outside = {}
+    for tensor in initializers:
+        if tensor.name in raw and not tensor.raw_data:
+            if max(field.number for field, _ in tensor.ListFields()) > RAW_DATA_FIELD:
+                raise ValueError(f"initializer {tensor.name!r} has fields after raw_data; cannot write it from outside")
+            outside[tensor.name] = raw[tensor.name]
+    return outside
+
+
+def _raw_field_size(data) -> int:
+    size = memoryview(data).nbytes
+    return len(_varint(RAW_DATA_FIELD << 3 | 2)) + len(_varint(size)) + size
 
 
 def _copy_field(target, field, value) -> None:

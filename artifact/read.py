@@ -439,9 +439,10 @@ def _check_external_data(model, path: Path) -> int:
 def write_and_load(out_dir: Path, files: dict[str, bytes]) -> Artifact:
     """write_artifact verified by load_artifact (every check, hashes included) on the temporary
     directory; returns that artifact at out_dir. The swap renames the very files that were loaded,
-    so they are not read and checked a second time."""
+    so they are not read and checked a second time. `files` is consumed: each file's bytes are let go
+    once on disk, before the verification reads them back."""
     loaded = []
-    write_artifact(out_dir, files, verify=lambda tmp: loaded.append(load_artifact(tmp)))
+    write_artifact(out_dir, files, verify=lambda tmp: loaded.append(load_artifact(tmp)), consume=True)
     (artifact,) = loaded
     directory = Path(out_dir)
     graphs = [GraphArtifact(g.name, directory / g.entry.file, g.entry) for g in artifact.graphs]

@@ -99,12 +99,12 @@ def externalize(proto, location: str, pending: PendingWeights | None = None) -> 
 
 
 def internalize(proto, pending: PendingWeights | None) -> None:
-    """Put the pending initializers' bytes into the graph (a graph that keeps its weights inside)."""
+    """Declare the pending initializers as the graph's own (a graph that keeps its weights inside): their bytes
+    stay in `pending` until serialize_model(proto, pending) writes them as raw_data, straight from there."""
     for tensor in proto.graph.initializer:
         if is_pending(tensor):
             del tensor.external_data[:]
-            tensor.data_location = tensor.DEFAULT
-            tensor.raw_data = pending.pop(tensor.name).tobytes()
+            tensor.ClearField("data_location")  # absent, as in a tensor that never left the graph
 
 
 def initializer_bytes(proto, pending: PendingWeights | None = None) -> int:
@@ -146,16 +146,16 @@ def pack_artifact(
             location = f"{entry['file']}.data"
             files[location], digest = externalize(proto, location, pending)
             entry["external_data"] = {location: digest}
-        else:
-            internalize(proto, pending)
-        # On the graph as written: weightless when its weights moved out (the checker and shape inference
-        # serialise the graph they are given, and read no external files), else with them inside.
+        # On the graph as written, less its weights (the checker and shape inference serialise the graph they
+        # are given, and read no external files): moved out, or pending until serialised below.
         if before_serialise is not None:
             before_serialise(entry, proto)
+        if "external_data" not in entry:
+            internalize(proto, pending)
         # The embedded manifest comes last: it records the external data's hash.
         embed = dict(embedded(manifest) if embedded is not None else manifest, graph=entry["name"])
         proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(embed, sort_keys=True))
-        data = serialize_model(proto)
+        data = serialize_model(proto, pending)
         entry["sha256"] = sha256_bytes(data)
         files[entry["file"]] = data
         del data, proto
@@ -186,12 +186,19 @@ def check_output_dir(out_dir: Path) -> None:
 
 
 def write_artifact(
-    out_dir: Path, files: dict[str, bytes | list[bytes]], *, verify=None, move_from: Path | None = None
+    out_dir: Path,
+    files: dict[str, bytes | list[bytes]],
+    *,
+    verify=None,
+    move_from: Path | None = None,
+    consume: bool = False,
 ) -> None:
     """Write files into out_dir all-or-nothing. A file's contents are bytes, or a list of chunks written in
     order and removed from the list as they are written (external data: each tensor's bytes, never joined
     into one copy, freed once on disk). move_from: a finished artifact directory in the same parent whose
-    files are moved in first (renamed, not copied), `files` replacing those of the same name.
+    files are moved in first (renamed, not copied), `files` replacing those of the same name. consume: each
+    file's bytes are let go (the entry emptied) once on disk, before `verify` reads the files back: an inline
+    graph is otherwise held in memory beside the copies its verification reads and parses.
 
     Everything goes into a sibling temporary directory first (each file fsynced);
     `verify(tmp_dir)` may inspect it; only then is it swapped in, in one atomic
@@ -212,7 +219,7 @@ def write_artifact(
                 for path in Path(move_from).iterdir():
                     os.rename(path, tmp / path.name)
             with naming(out_dir):
-                _write_files(tmp, files)
+                _write_files(tmp, files, consume)
             if verify is not None:
                 verify(tmp)
             swap_in(tmp, out_dir)
@@ -221,8 +228,8 @@ def write_artifact(
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_files(tmp: Path, files: dict[str, bytes | list[bytes]]) -> None:
-    for name, data in files.items():
+def _write_files(tmp: Path, files: dict[str, bytes | list[bytes]], consume: bool = False) -> None:
+    for name, data in files.items():  # replacing a value while iterating is allowed (the keys stay)
         if Path(name).name != name or name in (".", ".."):
             raise ModelFileError(f"artifact file name {name!r} must be a plain file name")
         with open(tmp / name, "wb") as handle:
@@ -235,6 +242,9 @@ def _write_files(tmp: Path, files: dict[str, bytes | list[bytes]]) -> None:
                 handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        if consume:
+            files[name] = b""
+        del data
 
 
 @contextmanager
