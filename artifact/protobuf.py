@@ -59,9 +59,9 @@ def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearra
             out += init_tag + _varint(size)
             out += tensor.SerializeToString()
             if tensor.name in outside:  # raw_data's field number follows every field such a tensor declares
-                data = raw.pop(tensor.name)
+                data = memoryview(raw.pop(tensor.name)).cast("B")  # bytes, whatever the buffer's item type
                 out += _varint(RAW_DATA_FIELD << 3 | 2) + _varint(len(data))
-                out += memoryview(data).cast("B")
+                out += data
                 del data
         out += graph_tail_bytes
     out += tail.SerializeToString()

@@ -115,17 +115,16 @@ def export_model(
     lowerings.check_supported(family, config, lowering)
     precision.check_supported(dtype, lowering)
     check_output_dir(Path(out_dir))  # before the slow trace
-    release = release_weights
     # Released weights are converted one tensor at a time as they are written; a traced model is float32, and
     # so are the buffers (RoPE frequencies) in both cases.
-    if release:
+    if release_weights:
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(torch.float32)
-    model = model.eval() if release else model.to(torch.float32).eval()
+    model = model.eval() if release_weights else model.to(torch.float32).eval()
     fill = replicate.WeightFill(
-        dtype=precision.numpy_dtype(dtype) if release else np.dtype(np.float32), release=release
+        dtype=precision.numpy_dtype(dtype) if release_weights else np.dtype(np.float32), release=release_weights
     )
     protos, entries, used = {}, [], set()
     for graph in fam.graphs(config):
@@ -160,9 +159,9 @@ def export_model(
         )
     if lowering != lowerings.DEFAULT_LOWERING:
         progress(f"lowering to {lowering}")
-        used = _lower(model, family, config, lowering, protos, entries, fill.pending if release else None)
+        used = _lower(model, family, config, lowering, protos, entries, fill.pending if release_weights else None)
     _check_weights_covered(model, entries)
-    if release:  # every weight is in a graph now (a whole-model trace holds them besides the model's copy)
+    if release_weights:  # every weight is in a graph now (a whole-model trace holds them besides the model's copy)
         with torch.no_grad():
             for param in model.parameters():
                 param.data = torch.empty(0, dtype=param.dtype)
