@@ -5,15 +5,18 @@ MatMulNBits, so without this the `onnx-reference` backend and node localisation 
 nodes on onnx.reference) could not open it. The implementation follows the operator's published
 contract (onnxruntime docs/ContribOperators.md): Y = A @ dequantize(B) + bias, with the weight
 dequantized per K-block and the product taken in float64 or the activations' own width, whichever is
-wider, so it is the exact value a kernel's rounding is judged against.
+wider, so it is the exact value a kernel's rounding is judged against. From accuracy level 4 the activations
+are first rounded to int8 per block as ONNX Runtime's CPU kernel rounds them (runners.activations).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from onnx.reference.op_run import OpRun
 
 from exporters.quantize import dequantize_nbits
+from runners.activations import int8_activations, rounds_activations
 
 
 class MatMulNBits(OpRun):
@@ -27,10 +30,15 @@ class MatMulNBits(OpRun):
             raise NotImplementedError("MatMulNBits with g_idx is not supported by the reference implementation")
         if a.shape[-1] != k:
             raise ValueError(f"MatMulNBits: A's last dimension is {a.shape[-1]}, K is {k}")
+        dtype = a.dtype
+        zero_points = zero_points if zero_points is not None and zero_points.size else None
+        if rounds_activations(attributes.get("accuracy_level"), None if zero_points is None else zero_points.dtype):
+            # float64 holds the rounded values times their scales exactly; the output keeps A's dtype
+            dtype, a = a.dtype, int8_activations(torch.from_numpy(a.astype(np.float64)), block_size).numpy()
         weight = dequantize_nbits(
             b,
             scales,
-            zero_points if zero_points is not None and zero_points.size else None,
+            zero_points,
             bits=bits,
             block_size=block_size,
             k=k,
@@ -40,7 +48,7 @@ class MatMulNBits(OpRun):
         y = a.astype(wide) @ weight.astype(wide)
         if bias is not None and bias.size:
             y = y + bias.astype(wide)
-        return (y.astype(a.dtype),)
+        return (y.astype(dtype),)
 
 
 # The operators to pass as `ReferenceEvaluator(..., new_ops=CONTRIB_OPS)`.

@@ -19,6 +19,7 @@ from artifact.errors import ExternalDataError, ModelFileError
 from exporters.quantize import SPEC_PARTS, dequantize_weight
 from models.artifacts import artifact_config
 from models.registry import build_model, get_family
+from runners.activations import Int8Activations, RoundedWeight, rounds_activations
 from runners.base import Runner, check_feed
 
 TORCH_DTYPES = {
@@ -150,34 +151,68 @@ class EagerRunner(Runner):
             tensor = tensor.to(self.dtype) if tensor.is_floating_point() else tensor
             args.append(tensor.to(self.torch_device))
         if self.torch_device.type != "cuda":
-            with computing_in(self.model, self.dtype) if self.by_block else nullcontext():
+            with computing_in(self.model, self.dtype) if self.by_block else nullcontext(), _as_onnxruntime(self.model):
                 stages = self.forward(self.model, *args)
         else:
             matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
             try:
-                stages = self.forward(self.model, *args)
+                with _as_onnxruntime(self.model):
+                    stages = self.forward(self.model, *args)
                 torch.cuda.synchronize(self.torch_device)  # the run's time includes the kernels
             finally:
                 torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
         return {name: to_numpy(stages[name]) for name in self.output_names}
 
 
+def _as_onnxruntime(model: torch.nn.Module):
+    """On the CPU, the weights whose MatMulNBits rounds its activations to int8 (`model.rounded_weights`, by
+    parameter name) compute on rounded activations, as ONNX Runtime's CPU kernel does (runners.activations)."""
+    rounded = getattr(model, "rounded_weights", None)
+    if not rounded:
+        return nullcontext()
+    by_id = {id(p): rounded[name] for name, p in model.named_parameters(remove_duplicate=False) if name in rounded}
+    return Int8Activations(by_id)
+
+
+def _rounded_weight(name: str, place, nbits_nodes: dict, read, where) -> RoundedWeight | None:
+    """The RoundedWeight of quantized weight `name` where its MatMulNBits (`nbits_nodes`, by B) rounds its
+    activations, else None."""
+    spec = place.quantized
+    node = nbits_nodes.get(spec["weight"])
+    level = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0) if node is not None else 0
+    zero_points = spec.get("zero_points")
+    if not rounds_activations(level, None if zero_points is None else read(zero_points).dtype):
+        return None
+    offsets = read(spec["offsets"]) if "offsets" in spec else None  # [blocks, N]
+    if place.slice and offsets is not None:
+        axis, start, stop = place.slice
+        if axis != 1:  # a fused weight is split along N; its K blocks are the whole weight's
+            raise ModelFileError(f"{where}: weight {name!r} slices a quantized weight along K (axis {axis})")
+        offsets = offsets[:, start:stop]
+    if not place.transpose:  # F.linear takes [N, K], the transpose of MatMulNBits' [K, N]
+        raise ModelFileError(f"{where}: quantized weight {name!r} is not stored as a MatMul's [K, N]")
+    return RoundedWeight(spec["block_size"], None if offsets is None else torch.from_numpy(np.array(offsets)))
+
+
 def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch.nn.Module:
     """Construct the artifact's model and load every weight from the graphs' ONNX initializers.
 
     Weights in external data are read one tensor at a time straight into the model's parameters, so the
-    load holds one copy of the weights plus the tensor in hand, not the graph's copy as well.
+    load holds one copy of the weights plus the tensor in hand, not the graph's copy as well. A quantized
+    weight loads dequantized; where its MatMulNBits rounds activations to int8, `model.rounded_weights`
+    records it so the eager runners compute that rounding too.
     """
     config = artifact_config(artifact)
     model = build_model(artifact.family, config, init=False)  # every weight is loaded next
     protos = protos or {}
     # state_dict tensors share storage with the parameters (tied weights included): copy_ fills the model
     state = model.state_dict()
-    loaded = set()
+    loaded, rounded = set(), {}
     for graph in artifact.graphs:
         proto = protos.get(graph.name) or validate_onnx(graph.model_path)  # without its external data
         initializers = {init.name: init for init in proto.graph.initializer}
+        nbits_nodes = {node.input[1]: node for node in proto.graph.node if node.op_type == "MatMulNBits"}
         base_dir = str(graph.model_path.parent)
 
         def read(name, graph=graph, initializers=initializers, base_dir=base_dir):
@@ -199,6 +234,7 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
                 spec = place.quantized
                 parts = [spec[key] for key in SPEC_PARTS if key in spec]
                 array = dequantize_weight({part: read(part) for part in parts}, spec)
+                rounded[name] = _rounded_weight(name, place, nbits_nodes, read, graph.model_path)
             else:
                 array = read(place.initializer)
             if place.slice:  # a fused initializer (lowering "ort": QKV, gate/up): [axis, start, stop]
@@ -220,6 +256,7 @@ def model_from_artifact(artifact: Artifact, protos: dict | None = None) -> torch
     missing = [name for name in state if name not in loaded]
     if missing:
         raise ModelFileError(f"{artifact.location}: no initializer for weight {missing[0]!r}; re-run `toolkit export`")
+    model.rounded_weights = {name: weight for name, weight in rounded.items() if weight is not None}
     return model
 
 

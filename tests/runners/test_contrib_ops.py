@@ -10,8 +10,8 @@ from onnx.reference import ReferenceEvaluator
 from runners.contrib_ops import CONTRIB_OPS
 
 
-def nbits_model(k, n, bits, block, b, scales, zero_points=None, bias=None, batch_shape=("m",)):
-    """A one-node graph Y = MatMulNBits(A, B, scales[, zero_points][, g_idx][, bias])."""
+def nbits_model(k, n, bits, block, b, scales, zero_points=None, bias=None, batch_shape=("m",), level=0):
+    """A one-node graph Y = MatMulNBits(A, B, scales[, zero_points][, g_idx][, bias]) at accuracy `level`."""
     inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "scales")]
     inputs = ["A", "B", "scales", "", "", ""]  # optional inputs 3-5: zero_points, g_idx, bias
     if zero_points is not None:
@@ -22,7 +22,10 @@ def nbits_model(k, n, bits, block, b, scales, zero_points=None, bias=None, batch
         inputs[5] = "bias"
     while not inputs[-1]:
         inputs.pop()
-    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block)
+    levels = {"accuracy_level": level} if level else {}
+    node = helper.make_node(
+        "MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=block, **levels
+    )
     graph = helper.make_graph(
         [node],
         "g",
@@ -66,6 +69,32 @@ def test_reference_matches_onnxruntime(bits, zero_points, k, n, block):
     # Both compute the same dequantized weights; they differ by float32 summation order over K terms.
     bound = (k + 1) * np.finfo(np.float32).eps * float(np.max(np.abs(a) @ np.abs(got_weight(model))))
     assert np.abs(got - want).max() <= bound
+
+
+@pytest.mark.parametrize(("bits", "zero_points"), [(4, None), (4, "packed"), (4, "float"), (8, None), (8, "packed")])
+@pytest.mark.parametrize(("k", "n", "block"), [(64, 48, 32), (96, 40, 32), (128, 24, 64), (40, 8, 32), (256, 16, 128)])
+def test_reference_rounds_activations_at_level_4_where_onnxruntime_does(bits, zero_points, k, n, block):
+    """At accuracy level 4 ONNX Runtime's CPU kernel multiplies int8-rounded activations, except with float zero
+    points; the reference follows it to float32 summation order, and the float product is measurably off."""
+    import onnxruntime
+
+    rng = np.random.default_rng(k * n + bits + 1)
+    b, scales, zp = random_weights(rng, k, n, bits, block, zero_points)
+    model = nbits_model(k, n, bits, block, b, scales, zp, level=4)
+    a = rng.standard_normal((4, k)).astype(np.float32)
+    a[1, :block] = 0.0  # a block of zeros: scale 0, no division
+    want = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"A": a}
+    )[0]
+    got = ReferenceEvaluator(model, new_ops=CONTRIB_OPS).run(None, {"A": a})[0]
+    weight = got_weight(model)
+    bound = (k + 1) * np.finfo(np.float32).eps * float(np.max(np.abs(a) @ np.abs(weight)))
+    assert np.abs(got - want).max() <= bound
+    float_product = np.abs(a.astype(np.float64) @ weight - want).max()
+    if zero_points == "float":
+        assert float_product <= bound
+    else:
+        assert float_product > 20 * bound
 
 
 def got_weight(model):

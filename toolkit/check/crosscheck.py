@@ -15,11 +15,13 @@ from exporters.quantize import INT8_ACTIVATIONS_LEVEL
 from models.artifacts import artifact_config
 from models.presets import PRESETS
 from models.registry import get_family, has_cache, lm_defaults
+from runners.activations import rounding_ambiguous_away
 from runners.base import check_kind
 from runners.compare import Comparison, ToleranceConfig, compare
 from runners.decoding.generate import CachedLM
 from runners.eager import model_from_artifact
 from runners.registry import DEFAULT_BACKENDS, artifact_dtype, check_backend, create_runner
+from toolkit.check.localize import NodeAudit, audit_nodes
 
 DEFAULT_BATCH, DEFAULT_SEQUENCE = 2, 5
 
@@ -31,16 +33,19 @@ class BackendResult:
     comparison: Comparison
     seconds: float
     placement: dict | None = None  # GPU ONNX Runtime backends: runners.ort.PlacementAudit.to_dict()
+    audit: NodeAudit | None = None  # int8-activation artifacts: every node on the backend's own inputs
 
     @property
     def passed(self) -> bool:
         placed = self.placement is None or self.placement["ok"] or self.placement.get("fallback_allowed", False)
-        return bool(self.comparison) and placed
+        return bool(self.comparison) and placed and (self.audit is None or self.audit.passed)
 
     @property
     def first_divergence(self) -> str | None:
         failure = self.comparison.first_failure
-        return None if failure is None else failure.name
+        if failure is None:
+            return "node audit" if self.audit is not None and not self.audit.passed else None
+        return failure.name
 
 
 @dataclass
@@ -51,6 +56,9 @@ class CheckReport:
     input_source: str
     calibration: dict[str, float]
     backends: list[BackendResult] = field(default_factory=list)
+    # Level-4 quantized artifacts: per stage, how far the oracle moves when it rounds the activations that lie
+    # within float32 noise of a half step the other way (runners.compare, runners.activations).
+    rounding: dict[str, float] = field(default_factory=dict)
     # Comparisons against stored golden outputs (toolkit.check.golden), one per backend plus the oracle.
     golden: list[BackendResult] = field(default_factory=list)
     golden_info: dict = field(default_factory=dict)
@@ -116,12 +124,14 @@ class CheckReport:
                     "first_divergence": b.first_divergence,
                     "seconds": b.seconds,
                     "placement": b.placement,
+                    "audit": None if b.audit is None else b.audit.to_dict(),
                 }
                 for b in self.backends
             ],
             "results": results,
             "first_divergence": self.first_divergence,
             "calibration": self.calibration,
+            "rounding": self.rounding,
             "golden": None
             if not self.golden
             else {
@@ -226,12 +236,14 @@ def cross_check(
         eager32_outputs.update(eager32_decoded)
         stages += list(decoded)
     calibration = calibrate(reference, eager32_outputs, stages)
+    rounding = rounding_spread(artifact, models, feeds, reference, inputs["input_ids"] if tokens else None, tokens)
     report = CheckReport(
         artifact=artifact.location,
         stages=stages,
         inputs={k: list(v.shape) for k, v in inputs.items()},
         input_source=source,
         calibration=calibration,
+        rounding=rounding,
         arrays={"inputs": inputs, "feeds": feeds, "reference": reference, "outputs": {}, "decode_tokens": tokens},
         dtype=artifact_dtype(artifact),
     )
@@ -239,7 +251,10 @@ def cross_check(
         run = run_backend(name, artifact, models, feeds, allow_cpu_fallback)
         if decode_steps:
             run.outputs.update(_decode(run.runner, artifact, inputs["input_ids"], decode_steps, tokens)[0])
-        report.backends.append(judge_backend(run, report, tolerances))
+        result = judge_backend(run, report, tolerances)
+        if report.rounding and name in AUDITED_BACKENDS:
+            result.audit = audit_nodes(artifact, name, audit_feeds(artifact, inputs, feeds))
+        report.backends.append(result)
         report.arrays["outputs"][name] = run.outputs
     return report
 
@@ -256,14 +271,15 @@ def refuse_uncheckable(artifact: Artifact, backends, tolerances: ToleranceConfig
     for name in backends:
         check_backend(name, artifact_dtype(artifact))  # fail on a typo before any model is built
     level = (artifact.manifest.quantization or {}).get("accuracy_level")
-    if isinstance(level, int) and level >= INT8_ACTIVATIONS_LEVEL and tolerances is None:
-        # The oracle applies the dequantized weights to float activations; this graph rounds the
-        # activations to int8 first, so the default float tolerances would fail it on every run.
+    gpu = [name for name in backends if name in ("ort-cuda", "ort-trt")]
+    if isinstance(level, int) and level >= INT8_ACTIVATIONS_LEVEL and gpu and tolerances is None:
+        # The oracle rounds activations to int8 where ONNX Runtime's CPU MatMulNBits does
+        # (runners.activations); the GPU kernels are not held to that rounding.
         raise ConfigError(
-            f"{artifact.location}: quantized at --accuracy-level {level}, which rounds activations "
-            "to int8 inside MatMulNBits, so its outputs are not comparable with the float64 oracle at "
-            "float tolerances; check the same quantization made with --accuracy-level 0, or give "
-            "--tolerances with the error you accept"
+            f"{artifact.location}: quantized at --accuracy-level {level}; the oracle rounds activations to "
+            f"int8 as ONNX Runtime's CPU MatMulNBits does, which {gpu[0]} is not held to; check it on "
+            "eager, ort-cpu and onnx-reference, check the same quantization made with --accuracy-level 0, "
+            "or give --tolerances with the error you accept"
         )
 
 
@@ -334,6 +350,36 @@ def calibrate(reference: dict, eager32_outputs: dict, stages: list[str]) -> dict
         for name in stages
     }
     return {name: value if np.isfinite(value) else 0.0 for name, value in calibration.items()}
+
+
+# The ONNX backends whose every node an int8-activation artifact's check audits: ort-cpu's kernels round as
+# runners.activations does; onnx-reference computes MatMulNBits with runners.contrib_ops itself.
+AUDITED_BACKENDS = ("ort-cpu",)
+
+
+def audit_feeds(artifact: Artifact, inputs: dict, feeds: dict) -> dict[str, list[dict]]:
+    """The feeds a node audit runs each graph on: the check's own and, for a one-graph language model, one token
+    of one sequence, which takes the kernels' one-row path (the decode path)."""
+    audited = {name: [feed] for name, feed in feeds.items()}
+    if len(artifact.graphs) == 1 and "input_ids" in inputs:
+        graph = artifact.graphs[0]
+        audited[graph.name].append(graph_feed(graph, {"input_ids": inputs["input_ids"][:1, :1]}, {}))
+    return audited
+
+
+def rounding_spread(artifact: Artifact, models: EagerModels, feeds: dict, reference: dict, prompt, tokens) -> dict:
+    """Where the artifact rounds activations to int8 (runners.activations): per stage, the oracle's max move
+    when every value within AMBIGUITY of a half step rounds the other way, on the same feeds and, after
+    `prompt`, the same decode `tokens`. Empty for any other artifact."""
+    if not getattr(models.float64, "rounded_weights", None):
+        return {}
+    moved = {}
+    with rounding_ambiguous_away():
+        for graph in artifact.graphs:
+            moved.update(models.runner("eager-f64", artifact, graph.name).run(feeds[graph.name]))
+        if tokens:
+            moved.update(_decode(models.runner("eager-f64", artifact), artifact, prompt, len(tokens), tokens)[0])
+    return {name: float(np.max(np.abs(moved[name] - reference[name]), initial=0.0)) for name in reference}
 
 
 # --------------------------------------------------------------------------- decode steps
@@ -411,5 +457,6 @@ def judge_backend(run: BackendRun, report: CheckReport, tolerances: ToleranceCon
         tolerances=tolerances,
         calibration=report.calibration,
         order=report.stages,
+        rounding=report.rounding,
     )
     return BackendResult(run.name, run.device, comparison, run.seconds, run.placement)

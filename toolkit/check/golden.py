@@ -340,6 +340,7 @@ def compare_with_golden(
             tolerances=tolerances,
             calibration=report.calibration,
             order=stages,
+            rounding=report.rounding,
         )
         report.golden.append(BackendResult(backend.name, backend.device, comparison, backend.seconds))
     if golden.oracle is not None:

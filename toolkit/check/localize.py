@@ -30,7 +30,7 @@ Per-node tolerances are derived from float32 rounding, see `node_scale`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx
@@ -696,3 +696,65 @@ def localize_report(report, artifact) -> list[Localization]:
             feed.update(graph_feed)
         results.append(localize_stage(artifact, backend.name, failure.name, feed))
     return results
+
+
+# --------------------------------------------------------------------------- the node audit
+
+
+@dataclass
+class NodeAudit:
+    """Question 1 over whole graphs: every node of a backend against float64 on the backend's own inputs."""
+
+    backend: str
+    nodes_checked: int
+    finding: NodeFinding | None = None
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.finding is None
+
+    def to_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "nodes_checked": self.nodes_checked,
+            "finding": None if self.finding is None else self.finding.to_dict(),
+            "note": self.note,
+        }
+
+    def describe(self) -> str:
+        head = f"node audit {self.backend} ({self.nodes_checked} nodes): "
+        if self.finding is None:
+            return head + (self.note or "every node within float32 rounding of float64 on its own inputs")
+        return head + f"FAIL at {self.finding.describe()}; the backend computes it wrongly on its own inputs"
+
+
+def audit_nodes(artifact, backend: str, feeds: dict[str, list[dict]]) -> NodeAudit:
+    """Every node of every graph of `backend`, re-evaluated in float64 on the backend's own inputs and held to its
+    float32 rounding bound, on each of the graph's `feeds` (by graph name); the first node out of bound fails.
+
+    This is the tight verdict where the stages' cannot be: a graph that rounds activations to int8
+    (runners.activations) turns float32 noise into whole rounding steps that cascade through the layers, yet
+    one node at a time, on the same inputs, the rounding is reproduced exactly.
+    """
+    known = {op.__name__ for op in CONTRIB_OPS}
+    checked = 0
+    for graph in artifact.graphs:
+        stage = "logits" if "logits" in graph.output_names else graph.output_names[0]
+        cone = None
+        for feed in feeds.get(graph.name, []):
+            cone = stage_cone(graph, stage, feed) if cone is None else replace(cone, feed=feed)
+            foreign = sorted({f"{n.domain}::{n.op_type}" for n in cone.nodes if n.domain and n.op_type not in known})
+            if foreign:
+                return NodeAudit(
+                    backend,
+                    checked,
+                    note=f"not audited: {graph.name} holds {', '.join(foreign)}, which the ONNX reference "
+                    "evaluator does not implement",
+                )
+            values = run_backend_all(backend, with_all_outputs(cone.model, cone.value_names), cone.feed)
+            finding, count = find_backend_fault(cone, values)
+            checked += count
+            if finding is not None:
+                return NodeAudit(backend, checked, finding)
+    return NodeAudit(backend, checked)

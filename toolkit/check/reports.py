@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+from runners.compare import ROUNDING_MULTIPLE
 from runners.ort import placement_line
 from toolkit.check.crosscheck import CheckReport
 from toolkit.check.golden import ORIGINAL_NAME
@@ -53,6 +54,12 @@ def text_table(report: CheckReport) -> str:
         except KeyError:
             pass
         lines.append(f"{backend.name:<16} {verdict} on {backend.device}, {backend.seconds * 1e3:.1f} ms{extra}")
+    if report.rounding:
+        lines.append(
+            f"int8 activations (accuracy level 4): allowances include {ROUNDING_MULTIPLE:g} x the oracle's move when "
+            f"values within float32 noise of a half step round the other way (logits: {_err(report.rounding.get('logits'))})"
+        )
+    lines.extend(b.audit.describe() for b in report.backends if b.audit is not None)
     lines.extend(golden_lines(report))
     lines.extend(oracle_lines(report))
     for localization in report.localizations:
@@ -201,8 +208,10 @@ def to_junit(report: CheckReport) -> str:
     cases += [("golden", b, o) for b in report.golden for o in b.comparison.outputs]
     if report.oracle is not None:
         cases += [("oracle", report.oracle, o) for o in report.oracle.comparison.outputs]
-    failures = sum(1 for _, _, o in cases if not o.passed)
-    suite = ET.Element("testsuite", name="toolkit check", tests=str(len(cases)), failures=str(failures), errors="0")
+    audits = [b for b in report.backends if b.audit is not None]
+    failures = sum(1 for _, _, o in cases if not o.passed) + sum(1 for b in audits if not b.audit.passed)
+    tests = str(len(cases) + len(audits))
+    suite = ET.Element("testsuite", name="toolkit check", tests=tests, failures=str(failures), errors="0")
     for kind, backend, output in cases:
         case = ET.SubElement(
             suite, "testcase", classname=f"{kind}.{backend.name}", name=output.name, time=f"{backend.seconds:.6f}"
@@ -222,6 +231,11 @@ def to_junit(report: CheckReport) -> str:
                 for localization in report.localizations:
                     if localization.backend == backend.name and localization.stage == output.name:
                         failure.text += "\n" + localization.describe()
+    for backend in audits:
+        case = ET.SubElement(suite, "testcase", classname=f"audit.{backend.name}", name="every node")
+        if not backend.audit.passed:
+            failure = ET.SubElement(case, "failure", message=backend.audit.finding.detail)
+            failure.text = backend.audit.describe()
     root = ET.Element("testsuites")
     root.append(suite)
     return ET.tostring(root, encoding="unicode", xml_declaration=True)

@@ -22,6 +22,7 @@ from artifact.errors import ConfigError, ModelFileError
 from exporters.onnx_export import export_model
 from models.artifacts import artifact_config, open_artifact
 from models.registry import build_model, get_family
+from runners.compare import load_tolerances
 from runners.decoding.generate import CachedLM, generate
 from runners.eager import model_from_artifact
 from runners.registry import create_runner
@@ -477,23 +478,56 @@ def test_a_quantized_weight_that_does_not_dequantize_to_its_float_weight_is_refu
     assert not (tmp_path / "q").exists()
 
 
-def test_check_refuses_int8_activations_without_explicit_tolerances(source, tmp_path):
+def test_check_holds_int8_activation_artifacts_to_what_onnxruntime_computes(source, tmp_path, monkeypatch):
+    """At accuracy level 4 (the default) the oracle rounds activations to int8 as ONNX Runtime's CPU MatMulNBits
+    does, so the default tolerances judge eager, ort-cpu and onnx-reference, cached decode included; without
+    that rounding ort-cpu diverges."""
+    for name, options in (("mixed", ()), ("rtn", ("--recipe", "rtn")), ("int8", ())):
+        target, report = tmp_path / name, tmp_path / f"{name}.json"
+        bits = 8 if name == "int8" else 4
+        result = invoke("quantize", source.directory, "--bits", bits, *options, "--out", target, "--greedy-tokens", 2)
+        assert result.exit_code == 0, result.output
+        assert json.loads((target / "manifest.json").read_text())["quantization"]["accuracy_level"] == 4
+        result = invoke(
+            "check", target, "--backends", "eager,ort-cpu,onnx-reference", "--decode-steps", 3, "--json", report
+        )
+        assert result.exit_code == 0, result.output
+        assert "RESULT: PASS" in result.output
+        rounding = json.loads(report.read_text())["rounding"]
+        assert set(rounding) >= {"logits", "decode.2.logits"}
+        audit = next(b for b in json.loads(report.read_text())["backends"] if b["name"] == "ort-cpu")["audit"]
+        assert audit["finding"] is None and audit["nodes_checked"] > 20
+        assert f"node audit ort-cpu ({audit['nodes_checked']} nodes): every node within" in result.output
+    # The node audit re-evaluates each node on onnx.reference: with a MatMulNBits there that does not round,
+    # the stages still pass (the eager oracle rounds) and the audit names the node.
+    with monkeypatch.context() as patch:
+        patch.setattr("runners.contrib_ops.rounds_activations", lambda *args: False)
+        result = invoke("check", tmp_path / "mixed", "--backends", "ort-cpu")
+    assert result.exit_code == 1, result.output
+    assert "ort-cpu          FAIL (first divergence: node audit)" in result.output
+    assert "MatMulNBits" in result.output and "the backend computes it wrongly on its own inputs" in result.output
+    # Without the rounding in the oracle either, the stages diverge.
+    monkeypatch.setattr("runners.eager.rounds_activations", lambda *args: False)
+    monkeypatch.setattr("runners.contrib_ops.rounds_activations", lambda *args: False)
+    result = invoke("check", tmp_path / "mixed", "--backends", "ort-cpu", "--decode-steps", 3)
+    assert result.exit_code == 1, result.output
+    assert "ort-cpu          FAIL (first divergence: logits)" in result.output
+
+
+def test_check_refuses_a_gpu_backend_on_int8_activations_without_explicit_tolerances(source, tmp_path, monkeypatch):
+    from toolkit.check import crosscheck
+
     target = tmp_path / "acc4"
-    result = invoke("quantize", source.directory, "--bits", 4, "--accuracy-level", 4, "--out", target)
+    result = invoke("quantize", source.directory, "--bits", 4, "--out", target, "--greedy-tokens", 2)
     assert result.exit_code == 0, result.output
-    result = invoke("check", target, "--backends", "eager,ort-cpu")
-    assert result.exit_code == 2
-    assert (
-        f"Error: {target}: quantized at --accuracy-level 4, which rounds activations to int8" in result.output
-        and "--tolerances" in result.output
-        and "Traceback" not in result.output
-    )
-    # With the error the user accepts written down, the check runs and judges.
+    artifact = open_artifact(target)
+    monkeypatch.setattr(crosscheck, "check_backend", lambda *args: None)  # no GPU here; the refusal comes first
+    with pytest.raises(ConfigError, match=r"quantized at --accuracy-level 4; .* which ort-cuda is not held to"):
+        crosscheck.refuse_uncheckable(artifact, ("ort-cpu", "ort-cuda"), None, 0)
+    crosscheck.refuse_uncheckable(artifact, ("ort-cpu", "eager", "onnx-reference"), None, 0)
     loose = tmp_path / "loose.toml"
     loose.write_text("[float32]\natol = 1.0\nrtol = 1.0\n")
-    result = invoke("check", target, "--backends", "eager,ort-cpu", "--tolerances", loose)
-    assert result.exit_code == 0, result.output
-    assert "RESULT: PASS" in result.output
+    crosscheck.refuse_uncheckable(artifact, ("ort-cuda",), load_tolerances(loose), 0)
 
 
 # --------------------------------------------------------------------------- quality math, held to numpy
