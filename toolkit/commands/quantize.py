@@ -48,7 +48,8 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     type=click.Choice([str(a) for a in ACCURACY_LEVELS]),
     help="MatMulNBits compute: 4 int8 activations (ONNX Runtime's fast kernels; llama.cpp's own arithmetic for "
     "quantized weights), 0 float32 activations (slower, much slower for 8-bit, mixed and hqq weights; toolkit "
-    "check then holds the graph to the dequantized weights without --tolerances). [default: 4]",
+    "check then holds every stage tightly to the dequantized weights; at 4 it audits ort-cpu node by node). "
+    "[default: 4]",
 )
 @click.option(
     "--greedy-tokens",
