@@ -42,6 +42,7 @@ RECIPES = {
     "hqq, level 4": ["--bits", "4", "--recipe", "hqq", "--accuracy-level", "4"],
     "kquant, level 4": ["--bits", "4", "--recipe", "kquant", "--accuracy-level", "4"],
     "mixed, level 4": ["--bits", "4", "--recipe", "mixed", "--accuracy-level", "4"],
+    "measured, level 4": ["--bits", "4", "--recipe", "measured", "--accuracy-level", "4"],
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
     "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--accuracy-level", "4"],
 }

@@ -630,8 +630,9 @@ def quantizer_version(algorithm: str) -> dict:
         "hqq": "HQQ (half-quadratic, float zero points, block-wise along K)",
         "kquant": "k-quant search (weighted least-squares scale and float minimum per block, held as offsets)",
         "mixed": "k-quant search, the vocabulary projection at 8 bits",
+        "measured": "k-quant search, the vocabulary projection and the most sensitive weights (measured) at 8 bits",
     }
-    ours = algorithm in ("kquant", "mixed")
+    ours = algorithm in ("kquant", "mixed", "measured")
     return {
         "tool": "exporters.kquant" if ours else "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
         "algorithm": described[algorithm],

@@ -51,6 +51,14 @@ def test_calibration_multiple_widens_the_allowance():
     assert not compare(ref, got, tolerances=only(single), calibration={"a": 0.5})
 
 
+def test_the_rounding_spread_adds_twice_itself_to_the_allowance():
+    ref, got = {"a": np.array([1.0, -2.0, 4.0])}, {"a": np.array([1.5, -2.0, 3.0])}
+    # allowed = 2 * 0.2 (calibration) + 2 * 0.25 (rounding) + 0.1 + 0.04 = 1.04 >= max_abs 1.0
+    result = compare(ref, got, tolerances=only(LOOSE), calibration={"a": 0.2}, rounding={"a": 0.25})
+    assert result["a"].allowed == pytest.approx(1.04) and result
+    assert not compare(ref, got, tolerances=only(LOOSE), calibration={"a": 0.2}, rounding={"b": 0.25})
+
+
 def test_boundary_is_inclusive():
     # allowed = 0 * cal + 0.25 + 0 = 0.25 exactly; an error of exactly 0.25 passes, slightly more fails.
     tol = only(Tolerance(atol=0.25, rtol=0.0, multiple=0.0))

@@ -27,14 +27,15 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     "bit for bit (Q4_0/Q4_1/Q4_K 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 8-bit, float minimums as per-block "
     "offsets; F16/F32 kept float); the file must be where the manifest says, unchanged. kquant: float weights to a "
     "searched scale and float minimum per block (plus per-block offsets); mixed: kquant with the vocabulary "
-    "projection at 8 bits. rtn, hqq: re-round the float "
+    "projection at 8 bits; measured: mixed with the weights that move the model most at 4 bits, each measured "
+    "alone on a calibration text, at 8 bits too (up to 15% of the weights). rtn, hqq: re-round the float "
     "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
     "at --bits (the command says why when it cannot); otherwise mixed at 4 bits and rtn at 8.",
 )
 @click.option(
     "--block-size",
     type=click.Choice([str(b) for b in BLOCK_SIZES]),
-    help="Weights per quantization block along K (one scale and zero point each) for rtn, hqq, kquant and mixed. "
+    help="Weights per quantization block along K (one scale and zero point each) for rtn, hqq, kquant, mixed and measured. "
     "[default: 32; the GGUF's own (32) with --recipe gguf]",
 )
 @click.option(
@@ -92,7 +93,14 @@ def command(
             f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {made['bits']}-bit "
             f"(block {made['block_size']}, {result.recipe}, MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
         )
-        slow = made["bits"] == 8 or result.recipe in ("mixed", "hqq")  # mixed: the 8-bit head
+        slow = made["bits"] == 8 or result.recipe in ("mixed", "measured", "hqq")  # the 8-bit head
+    promotion = made.get("promotion")
+    if promotion:
+        first = ", ".join(promotion["promoted"][:3]) + (", ..." if len(promotion["promoted"]) > 3 else "")
+        click.echo(
+            f"measured: {len(promotion['promoted'])} of {len(promotion['sensitivity'])} MatMul weights at 8 bits "
+            f"({promotion['share_promoted']:.0%} of their elements), most sensitive first: {first}"
+        )
     if accuracy_level == 0 and slow:
         click.echo(
             "note: ONNX Runtime's CPU MatMulNBits has no fast float32-activation kernel for 8-bit or "

@@ -48,6 +48,7 @@ from exporters.quantize import (
 )
 from models.artifacts import artifact_config, open_artifact
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
+from toolkit.quantize.sensitivity import measure
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -67,9 +68,10 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 
 # gguf: the source GGUF's blocks as they are; kquant: the float weights to searched scales and float minimums
 # (exporters/kquant.py); mixed: kquant with the vocabulary projection at 8 bits, as llama.cpp's Q4_K_M and
-# Q4_1 files keep their output matrix wider; rtn, hqq: the float weights re-rounded by ONNX Runtime's node
-# quantizers.
-RECIPES = ("gguf", "kquant", "mixed", *ALGORITHMS)
+# Q4_1 files keep their output matrix wider; measured: mixed with the MatMul weights that move the model most
+# at 4 bits (measured one by one, toolkit/quantize/sensitivity.py) at 8 bits too; rtn, hqq: the float weights
+# re-rounded by ONNX Runtime's node quantizers.
+RECIPES = ("gguf", "kquant", "mixed", "measured", *ALGORITHMS)
 HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
 # Without --recipe, float weights take the recipe that keeps the model best at each width, measured on SmolLM2
 # with weights on and off a 4-bit grid (benchmarks/recipes_offgrid.py): mixed at 4 bits (rtn's perplexity rise
@@ -106,8 +108,8 @@ def quantize_artifact(
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically).
 
     recipe: "gguf" takes each weight's blocks from the GGUF the artifact was exported from, as they are
-    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "kquant", "mixed", "rtn"
-    or "hqq" (the last two also spelled `algorithm`) quantize the float weights at `bits` and `block_size`
+    (toolkit/quantize/gguf_recipe.py; `bits`, if given, must be the GGUF's own width); "kquant", "mixed", "measured",
+    "rtn" or "hqq" (the last two also spelled `algorithm`) quantize the float weights at `bits` and `block_size`
     (default 32). Unnamed, a GGUF export takes the gguf recipe where the file's blocks can be taken as they are
     at `bits`, and DEFAULT_RECIPES[bits] otherwise (the notes say why); any other artifact takes
     DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
@@ -120,7 +122,7 @@ def quantize_artifact(
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    if recipe in ("kquant", "mixed", *ALGORITHMS) and bits is None:
+    if recipe in ("kquant", "mixed", "measured", *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
     if recipe == "hqq" and bits != 4:
         raise ConfigError(
@@ -155,7 +157,7 @@ def quantize_artifact(
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, object] = {}
     pending = PendingWeights()  # the quantized graphs' weights, held beside them until written
-    total, untied = 0, False
+    total, untied, promotion = 0, False, None
     for k, (entry, graph) in enumerate(zip(manifest["graphs"], source.graphs, strict=False)):
         progress(f"reading graph {k + 1} of {len(source.graphs)} ({graph.model_path.name})")
         proto = validate_onnx(graph.model_path)  # without its external data: weights are read one at a time
@@ -172,11 +174,21 @@ def quantize_artifact(
             blocks = gguf.blocks(prepared, weights, graph.entry.data["weights"], folded, copies, originals)
             progress(f"taking {graph.model_path.name}'s {matmuls} MatMul weights from {gguf.path.name}'s blocks")
             bounds = gguf.bounds
-        elif recipe in ("kquant", "mixed"):
+        elif recipe in ("kquant", "mixed", "measured"):
             head_b = None if head is None or recipe == "kquant" else head_copy(copies, torch_weight(originals, head))
+            wide = {head_b}
+            if recipe == "measured":
+                progress(f"measuring each of {matmuls} MatMul weights' effect at {bits} bits on the float model")
+                source_map = graph.entry.data["weights"]
+                promotion = measure(
+                    source, weights, matmul_b - wide, source_map, folded, bits=bits, block_size=block_size
+                )
+                wide |= promotion.promoted
 
-            def blocks(b, weights=weights, head_b=head_b):
-                return kquant_blocks(weights.array(b), HEAD_BITS if b == head_b else bits, block_size)
+            def blocks(b, weights=weights, wide=wide, made=promotion.four_bit if promotion else {}):
+                if b in made:
+                    return made.pop(b)
+                return kquant_blocks(weights.array(b), HEAD_BITS if b in wide else bits, block_size)
 
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({recipe}, k-quant search)")
         if blocks is not None:
@@ -227,6 +239,8 @@ def quantize_artifact(
     }
     if gguf is not None:
         manifest["quantization"]["gguf"] = gguf.report()
+    if promotion is not None:
+        manifest["quantization"]["promotion"] = promotion.report()
     extra = {name: (source_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
 
     # The quantized artifact is written once, to a scratch directory beside out_dir, and its graphs and weights
