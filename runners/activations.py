@@ -9,13 +9,15 @@ q = 0 where amax = 0, the padding past K left out; the result is (q * scale) @ d
 order of the sums (onnxruntime/core/mlas/lib/sqnbitgemm_kernel_avx512.cpp, QuantizeARow_CompInt8_avx512).
 The eager models and the reference MatMulNBits compute with the same rounded activations where ONNX Runtime
 does, so `toolkit check` holds a level-4 artifact to float tolerances around what the kernel computes, not
-to the rounding's own error. A weight with float zero points (HQQ) has no int8 kernel: ONNX Runtime computes
-it on float activations at every level, and so do these. A GPU kernel ignores the level (float activations),
+to the rounding's own error. Which layouts take that path depends on the build and the CPU, so it is asked of
+the installed ONNX Runtime once per layout (`kernel_rounds`); one with float zero points (HQQ) has none and is
+computed on float activations at every level, here as there. A GPU kernel ignores the level (float activations),
 so a level-4 artifact is only comparable this way on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -45,10 +47,75 @@ def rounding_ambiguous_away():
         _AWAY.reset(token)
 
 
-def rounds_activations(accuracy_level: int | None, zero_points_dtype) -> bool:
-    """Whether ONNX Runtime's CPU MatMulNBits with this level and zero-point dtype (None: none) rounds A to int8."""
-    float_zero_points = zero_points_dtype is not None and np.dtype(zero_points_dtype).kind == "f"
-    return (accuracy_level or 0) >= INT8_ACTIVATIONS_LEVEL and not float_zero_points
+def rounds_activations(accuracy_level: int | None, zero_points_dtype, bits: int = 4, block_size: int = 32) -> bool:
+    """Whether ONNX Runtime's CPU MatMulNBits with this level and layout (zero-point dtype, None: none) rounds A
+    to int8: from level 4, where this machine's kernels have an int8 path for the layout (`kernel_rounds`)."""
+    if (accuracy_level or 0) < INT8_ACTIVATIONS_LEVEL:
+        return False
+    kind = "none" if zero_points_dtype is None else "float" if np.dtype(zero_points_dtype).kind == "f" else "uint8"
+    return kernel_rounds(bits, block_size, kind)
+
+
+@functools.cache
+def kernel_rounds(bits: int, block_size: int, zero_points: str) -> bool:
+    """Whether this machine's ONNX Runtime CPU MatMulNBits at level 4 multiplies int8-rounded activations for
+    `bits`, `block_size` and zero points "none", "uint8" or "float", found by running one.
+
+    The int8 path depends on the build and the CPU's instruction sets (no layout with float zero points has
+    one), so it is asked, not assumed. One row of A is chosen so that rounding it moves the product by far
+    more than float32 does: a block's maximum 1 and the rest a third of a step, which int8 rounds to 0."""
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from exporters.quantize import dequantize_nbits
+
+    k, n = 2 * block_size, 4
+    blocks = k // block_size
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, size=(n, blocks, block_size * bits // 8), dtype=np.uint8)
+    scales = np.full(n * blocks, 0.01, dtype=np.float32)
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "scales")]
+    zero = None
+    if zero_points == "uint8":
+        zero = np.full(n * -(-blocks * bits // 8), 0x88 if bits == 4 else 0x80, dtype=np.uint8)
+    elif zero_points == "float":
+        zero = np.full(n * blocks, 2.0 ** (bits - 1), dtype=np.float32)
+    if zero is not None:
+        inits.append(numpy_helper.from_array(zero, "zero_points"))
+    inputs = ["A", "B", "scales"] + (["zero_points"] if zero is not None else [])
+    node = helper.make_node(
+        "MatMulNBits",
+        inputs,
+        ["Y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block_size,
+        accuracy_level=INT8_ACTIVATIONS_LEVEL,
+    )
+    graph = helper.make_graph(
+        [node],
+        "probe",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, n])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4  # a refused layout is an answer here, not an error to print
+    options.intra_op_num_threads = 1
+    try:
+        session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except onnxruntime.capi.onnxruntime_pybind11_state.Fail:  # a layout the CPU kernel refuses (8 bits, float zero)
+        return False
+    a = np.full((1, k), 1.0 / (3 * _INT8_MAX), dtype=np.float32)
+    a[0, ::block_size] = 1.0
+    got = session.run(None, {"A": a})[0].astype(np.float64)
+    weight = dequantize_nbits(packed, scales, zero, bits=bits, block_size=block_size, k=k, n=n).astype(np.float64)
+    rounded = int8_activations(torch.from_numpy(a.astype(np.float64)), block_size).numpy() @ weight
+    return bool(np.abs(got - rounded).max() < np.abs(got - a.astype(np.float64) @ weight).max())
 
 
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:

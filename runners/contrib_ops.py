@@ -32,7 +32,8 @@ class MatMulNBits(OpRun):
             raise ValueError(f"MatMulNBits: A's last dimension is {a.shape[-1]}, K is {k}")
         dtype = a.dtype
         zero_points = zero_points if zero_points is not None and zero_points.size else None
-        if rounds_activations(attributes.get("accuracy_level"), None if zero_points is None else zero_points.dtype):
+        zero_dtype = None if zero_points is None else zero_points.dtype
+        if rounds_activations(attributes.get("accuracy_level"), zero_dtype, bits, block_size):
             # float64 holds the rounded values times their scales exactly; the output keeps A's dtype
             dtype, a = a.dtype, int8_activations(torch.from_numpy(a.astype(np.float64)), block_size).numpy()
         weight = dequantize_nbits(

@@ -182,7 +182,8 @@ def _rounded_weight(name: str, place, nbits_nodes: dict, read, where) -> Rounded
     node = nbits_nodes.get(spec["weight"])
     level = next((a.i for a in node.attribute if a.name == "accuracy_level"), 0) if node is not None else 0
     zero_points = spec.get("zero_points")
-    if not rounds_activations(level, None if zero_points is None else read(zero_points).dtype):
+    zero_dtype = None if zero_points is None else read(zero_points).dtype
+    if not rounds_activations(level, zero_dtype, spec["bits"], spec["block_size"]):
         return None
     offsets = read(spec["offsets"]) if "offsets" in spec else None  # [blocks, N]
     if place.slice and offsets is not None:

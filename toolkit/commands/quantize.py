@@ -10,6 +10,7 @@ from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
 from toolkit.progress import Progress
 from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
+from toolkit.quantize.sensitivity import PROMOTED_SHARE
 
 
 @click.command("quantize")
@@ -53,6 +54,12 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
     "[default: 4]",
 )
 @click.option(
+    "--promote-share",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    help=f"--recipe measured: the largest share of the MatMul weights' elements kept at 8 bits. [default: "
+    f"{PROMOTED_SHARE}]",
+)
+@click.option(
     "--greedy-tokens",
     type=click.IntRange(min=1),
     default=GREEDY_TOKENS,
@@ -63,7 +70,17 @@ from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the quality report here.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr (shown on a terminal by default).")
 def command(
-    artifact_dir, bits, recipe, block_size, algorithm, accuracy_level, greedy_tokens, out_dir, json_file, quiet
+    artifact_dir,
+    bits,
+    recipe,
+    block_size,
+    algorithm,
+    accuracy_level,
+    promote_share,
+    greedy_tokens,
+    out_dir,
+    json_file,
+    quiet,
 ):
     """Quantize the MatMul weights of ARTIFACT_DIR to --bits and report the quality lost against it."""
     result = quantize_artifact(
@@ -74,6 +91,7 @@ def command(
         accuracy_level=None if accuracy_level is None else int(accuracy_level),
         algorithm=algorithm,
         recipe=recipe,
+        promote_share=promote_share,
         greedy_tokens=greedy_tokens,
         progress=Progress("quantize", quiet),
     )

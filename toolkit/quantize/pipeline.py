@@ -48,7 +48,7 @@ from exporters.quantize import (
 )
 from models.artifacts import artifact_config, open_artifact
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
-from toolkit.quantize.sensitivity import measure
+from toolkit.quantize.sensitivity import PROMOTED_SHARE, measure
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -102,6 +102,7 @@ def quantize_artifact(
     algorithm: str | None = None,
     recipe: str | None = None,
     q4_1: str = "offsets",
+    promote_share: float | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     progress=None,
 ) -> QuantizeResult:
@@ -114,7 +115,8 @@ def quantize_artifact(
     at `bits`, and DEFAULT_RECIPES[bits] otherwise (the notes say why); any other artifact takes
     DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
     0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout
-    (exporters/gguf_blocks.Q4_1_LAYOUTS). progress(message): called as each step starts."""
+    (exporters/gguf_blocks.Q4_1_LAYOUTS). promote_share: the measured recipe's largest share of the MatMul
+    weights' elements at 8 bits (default PROMOTED_SHARE). progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
     named = recipe is not None or algorithm is not None
     recipe = _recipe(recipe, algorithm, block_size)
@@ -124,6 +126,10 @@ def quantize_artifact(
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
     if recipe in ("kquant", "mixed", "measured", *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
+    if promote_share is not None and recipe != "measured":
+        raise ConfigError(f"--promote-share applies to --recipe measured, not {recipe or 'the default recipe'}")
+    if promote_share is not None and not 0 < promote_share <= 1:
+        raise ConfigError(f"--promote-share: expected a share in (0, 1], got {promote_share!r}")
     if recipe == "hqq" and bits != 4:
         raise ConfigError(
             f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
@@ -180,8 +186,9 @@ def quantize_artifact(
             if recipe == "measured":
                 progress(f"measuring each of {matmuls} MatMul weights' effect at {bits} bits on the float model")
                 source_map = graph.entry.data["weights"]
+                share = PROMOTED_SHARE if promote_share is None else promote_share
                 promotion = measure(
-                    source, weights, matmul_b - wide, source_map, folded, bits=bits, block_size=block_size
+                    source, weights, matmul_b - wide, source_map, folded, bits=bits, block_size=block_size, share=share
                 )
                 wide |= promotion.promoted
 

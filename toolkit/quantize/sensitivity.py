@@ -39,6 +39,7 @@ class Promotion:
     promoted: set[str]
     sensitivity: dict[str, float]
     share: float
+    limit: float
     elements: dict[str, int] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)  # B -> the torch weights it holds, joined by "+"
     four_bit: dict = field(default_factory=dict, repr=False)  # B -> its 4-bit NBitsWeight, reused by the rewrite
@@ -48,7 +49,7 @@ class Promotion:
         return {
             "method": "each MatMul weight alone at 4-bit k-quant, mean KL of next-token distributions from the "
             "float model's on a calibration text; most sensitive promoted to 8 bits within the share",
-            "share_limit": PROMOTED_SHARE,
+            "share_limit": self.limit,
             "share_promoted": self.share,
             "promoted": [self.labels.get(b, b) for b in ranked if b in self.promoted],
             "sensitivity": {self.labels.get(b, b): self.sensitivity[b] for b in ranked},
@@ -83,9 +84,19 @@ def weights_of(matmul_b: set[str], source_map: dict, folded: dict[str, str]) -> 
     return held
 
 
-def measure(source, weights, matmul_b: set[str], source_map: dict, folded: dict, *, bits: int, block_size: int):
+def measure(
+    source,
+    weights,
+    matmul_b: set[str],
+    source_map: dict,
+    folded: dict,
+    *,
+    bits: int,
+    block_size: int,
+    share: float = PROMOTED_SHARE,
+):
     """The Promotion for one graph's MatMul weights (`weights`: the prepared graph's GraphWeights), measured on
-    the float model rebuilt from `source`."""
+    the float model rebuilt from `source`, promoting at most `share` of their elements."""
     from models.artifacts import artifact_config
     from models.registry import lm_defaults
     from runners.eager import eager_runner, model_from_artifact
@@ -124,13 +135,13 @@ def measure(source, weights, matmul_b: set[str], source_map: dict, folded: dict,
     total = sum(elements.values())
     promoted, used = set(), 0
     for b in sorted(sensitivity, key=sensitivity.get, reverse=True):
-        if used + elements[b] <= PROMOTED_SHARE * total:
+        if used + elements[b] <= share * total:
             promoted.add(b)
             used += elements[b]
     for b in promoted:  # promoted weights are made again at 8 bits
         four_bit.pop(b)
     labels = {b: "+".join(entry["name"].removesuffix(".weight") for entry in entries) for b, entries in held.items()}
-    return Promotion(promoted, sensitivity, used / total if total else 0.0, elements, labels, four_bit)
+    return Promotion(promoted, sensitivity, used / total if total else 0.0, share, elements, labels, four_bit)
 
 
 def _dequantized(quantized, shape) -> np.ndarray:

@@ -98,6 +98,24 @@ def test_measured_answers_closer_to_float_than_mixed_and_checks(source, tmp_path
     assert result.exit_code == 0, result.output
 
 
+def test_a_larger_share_promotes_more_and_the_share_is_only_for_measured(source, tmp_path):
+    _, _ = quantize(source, tmp_path / "default", "measured")
+    result = invoke(
+        "quantize", source, "--bits", 4, "--recipe", "measured", "--promote-share", 0.4, "--out", tmp_path / "wide"
+    )
+    assert result.exit_code == 0, result.output
+    default, wide = (
+        json.loads((tmp_path / name / "manifest.json").read_text())["quantization"]["promotion"]
+        for name in ("default", "wide")
+    )
+    assert wide["share_limit"] == 0.4 and 0.15 < wide["share_promoted"] <= 0.4
+    assert set(default["promoted"]) < set(wide["promoted"])
+    assert_user_error(
+        invoke("quantize", source, "--bits", 4, "--recipe", "mixed", "--promote-share", 0.4, "--out", tmp_path / "q"),
+        "--promote-share applies to --recipe measured, not mixed",
+    )
+
+
 def test_measured_needs_bits(source, tmp_path):
     assert_user_error(
         invoke("quantize", source, "--recipe", "measured", "--out", tmp_path / "q"),
