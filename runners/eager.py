@@ -166,8 +166,9 @@ class EagerRunner(Runner):
 
 
 def _as_onnxruntime(model: torch.nn.Module):
-    """On the CPU, the weights whose MatMulNBits rounds its activations to int8 (`model.rounded_weights`, by
-    parameter name) compute on rounded activations, as ONNX Runtime's CPU kernel does (runners.activations)."""
+    """Inside it, the weights whose MatMulNBits rounds its activations to int8 (`model.rounded_weights`, by
+    parameter name) compute on rounded activations, as ONNX Runtime's CPU kernel does (runners.activations),
+    on whichever device the model runs."""
     rounded = getattr(model, "rounded_weights", None)
     if not rounded:
         return nullcontext()
