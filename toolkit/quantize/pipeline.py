@@ -127,6 +127,8 @@ def quantize_artifact(
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
     if recipe in ("kquant", "mixed", "measured", *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
+    if recipe == "measured" and bits == 8:
+        raise ConfigError("--recipe measured keeps chosen 4-bit weights at 8 bits; with --bits 8 use mixed or rtn")
     if promote_share is not None and recipe != "measured":
         raise ConfigError(f"--promote-share applies to --recipe measured, not {recipe or 'the default recipe'}")
     if promote_share is not None and not 0 < promote_share <= 1:

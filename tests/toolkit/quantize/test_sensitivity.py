@@ -116,7 +116,10 @@ def test_a_larger_share_promotes_more_and_the_share_is_only_for_measured(source,
     )
 
 
-def test_measured_needs_bits(source, tmp_path):
+def test_measured_needs_bits_and_is_for_4_bits(source, tmp_path):
+    result = invoke("quantize", source, "--bits", 8, "--recipe", "measured", "--out", tmp_path / "q")
+    assert_user_error(result, "--recipe measured keeps chosen 4-bit weights at 8 bits; with --bits 8 use mixed or rtn")
+    assert not (tmp_path / "q").exists()
     assert_user_error(
         invoke("quantize", source, "--recipe", "measured", "--out", tmp_path / "q"),
         "--bits is required with --recipe measured",
