@@ -35,7 +35,7 @@ class MatMulNBits(OpRun):
         zero_dtype = None if zero_points is None else zero_points.dtype
         if rounds_activations(attributes.get("accuracy_level"), zero_dtype, bits, block_size):
             # float64 holds the rounded values times their scales exactly; the output keeps A's dtype
-            dtype, a = a.dtype, int8_activations(torch.from_numpy(a.astype(np.float64)), block_size).numpy()
+            a = int8_activations(torch.from_numpy(a.astype(np.float64)), block_size).numpy()
         weight = dequantize_nbits(
             b,
             scales,

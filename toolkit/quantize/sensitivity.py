@@ -18,7 +18,7 @@ import torch
 
 from artifact.errors import ConfigError
 from exporters.kquant import kquant_blocks
-from exporters.quantize import HEAD, _reconstruct, dequantize_nbits
+from exporters.quantize import HEAD, _reconstruct
 
 PROMOTED_SHARE = 0.15  # about Q4_K_M's share of 6-bit weights among its 4-bit ones
 CALIBRATION_TEXT = (
@@ -123,7 +123,7 @@ def measure(
         for b, entries in held.items():
             stored = weights.array(b)
             four_bit[b] = quantized = kquant_blocks(stored, bits, block_size)
-            dequantized = _dequantized(quantized, stored.shape)
+            dequantized = quantized.dequantize().astype(np.float32, copy=False)
             kept = [(parameters[e["name"]], parameters[e["name"]].detach().clone()) for e in entries]
             for entry, (parameter, _) in zip(entries, kept, strict=True):
                 parameter.copy_(torch.from_numpy(np.ascontiguousarray(_reconstruct(dequantized, entry))))
@@ -142,15 +142,3 @@ def measure(
         four_bit.pop(b)
     labels = {b: "+".join(entry["name"].removesuffix(".weight") for entry in entries) for b, entries in held.items()}
     return Promotion(promoted, sensitivity, used / total if total else 0.0, share, elements, labels, four_bit)
-
-
-def _dequantized(quantized, shape) -> np.ndarray:
-    """The [K, N] float32 matrix a 4-bit k-quant NBitsWeight stands for (its offsets added per block)."""
-    k, n = shape
-    weight = dequantize_nbits(
-        quantized.packed, quantized.scales, None, bits=quantized.bits, block_size=quantized.block_size, k=k, n=n
-    )
-    if quantized.offsets is not None:  # [N * blocks], N-major
-        offsets = quantized.offsets.reshape(n, -1).T
-        weight = weight + np.repeat(offsets, quantized.block_size, axis=0)[:k]
-    return weight.astype(np.float32)
