@@ -50,11 +50,12 @@ def replicable(family: str, config) -> bool:
 
 def layer_kinds(config) -> tuple[list[int], list[int]]:
     """(each layer's kind, the first layer of each kind). Layers of one kind compute the same function of their
-    own weights (config.layer_attention: window, RoPE base and scaling); Gemma's alternating local and global
-    layers are two kinds, SmolLM3's layers with and without RoPE two, a uniform model one."""
+    own weights (config.layer_attention: window, RoPE base and scaling). A config whose layers differ only in
+    values their attention holds as buffers (per_layer_data: Gemma 2/3's local and global layers, SmolLM3's
+    layers with and without RoPE) is one kind; the others are one kind per distinct layer_attention."""
     layers = getattr(config, "layers", 1)
-    if not hasattr(config, "layer_attention"):
-        return [0] * layers, [0]
+    if not hasattr(config, "layer_attention") or getattr(config, "per_layer_data", False):
+        return [0] * layers, [0]  # per_layer_data: the layers' differences are buffers, refilled per layer
     seen: dict[str, int] = {}
     kinds, firsts = [], []
     for i in range(layers):
@@ -81,16 +82,38 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
     # 128k vocabulary they would be GBs the trace copies twice. Only the logits' declared width depends on it.
     vocab = min(config.vocab_size, TRACE_VOCAB)
     small_config = dataclasses.replace(config, layers=len(firsts), vocab_size=vocab, **per_layer)
-    small = build_model(family, small_config, init=False)
+    from models.llama import LAYER_DATA
+
+    token = LAYER_DATA.set(bool(getattr(config, "per_layer_data", False)))
+    try:
+        small = build_model(family, small_config, init=False)
+    finally:
+        LAYER_DATA.reset(token)
     generator = torch.Generator().manual_seed(seed)
     real_buffers = dict(model.named_buffers())
+    data = set(layer_data_buffers(small))
     with torch.no_grad():
         for param in small.parameters():
             # Distinct random values make each initializer's bytes name exactly one parameter.
             param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype))
         for name, buffer in small.named_buffers():
-            buffer.copy_(real_buffers[_template_source(name, firsts)])
+            if name in data:  # refilled per layer like a weight, so traced back by its bytes like one
+                random = torch.rand(buffer.shape, generator=generator, dtype=torch.float64) * 2**40 + 2**41
+                buffer.copy_(random.to(buffer.dtype))
+            else:
+                buffer.copy_(real_buffers[_template_source(name, firsts)])
     return small_config, small.eval()
+
+
+def layer_data_buffers(model: nn.Module) -> list[str]:
+    """The buffers that hold a layer's own values (models.layers.Attention layer_data: window, RoPE
+    frequencies): each layer's copy of the traced block reads its own."""
+    return [
+        f"{name}.{buffer}"
+        for name, module in model.named_modules()
+        if getattr(module, "layer_data", False)
+        for buffer in ("window", "inv_freq")
+    ]
 
 
 def _template_source(name: str, firsts: list[int]) -> str:
@@ -120,6 +143,12 @@ def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, 
             by_digest.setdefault(array_digest(array), (name, False))
         if array.ndim == 2 and (array.dtype.str, array.shape[::-1]) in kinds:
             by_digest.setdefault(array_digest(array.T), (name, True))
+    named_buffers = dict(small.named_buffers())
+    data = layer_data_buffers(small)
+    for name in data:
+        array = named_buffers[name].detach().numpy()
+        for dtype in (array.dtype, np.float32, np.float64):  # as stored, or cast to either float
+            by_digest.setdefault(array_digest(array.astype(dtype)), (name, False))
     buffers = {array_digest(b.detach().numpy()) for b in small.buffers()}
     shapes = {tuple(p.shape) for p in small.parameters()} | {tuple(p.shape)[::-1] for p in small.parameters()}
     sources = {}
@@ -134,6 +163,8 @@ def _initializer_sources(small: nn.Module, proto: onnx.ModelProto) -> dict[str, 
             and (array.size >= small.config.width or tuple(array.shape) in shapes)
         ):
             return None  # a weight-sized constant we cannot trace back: maybe a folded weight
+    if not set(data) <= {source for source, _ in sources.values()}:
+        return None  # a layer's value folded into something else: each layer could not get its own
     return sources
 
 
@@ -189,8 +220,14 @@ def replicate_with_weights(
     sources = _initializer_sources(small, proto)
     if sources is None:
         return None
+    small_data = set(layer_data_buffers(small))
+    data_types = {  # "window"/"inv_freq": the dtype the trace holds it in
+        sources[t.name][0].rsplit(".", 1)[-1]: t.data_type
+        for t in proto.graph.initializer
+        if t.name in sources and sources[t.name][0] in small_data
+    }
     if small.config.layers > 1:
-        return _replicate_kinds(model, small, proto, config, input_names, output_names, sources, weights)
+        return _replicate_kinds(model, small, proto, config, input_names, output_names, sources, weights, data_types)
     block = _find_block(proto, config.width)
     if block is None:
         return None
@@ -204,10 +241,10 @@ def replicate_with_weights(
         copies.extend(_clone_nodes(block.nodes, renamed, i))
         last_output = renamed[block.output]
     nodes = topological(_rewired_nodes(proto.graph, block, last_output) + copies)
-    return _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights)
+    return _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights, data_types)
 
 
-def _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights):
+def _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights, data_types):
     """The replicated graph with its initializers filled from `model`, and the weight map; None when the
     nodes do not order or assemble (the caller then traces the whole model)."""
     if nodes is None:
@@ -216,10 +253,12 @@ def _finished(proto, nodes, input_names, output_names, plan, model, small, confi
     if result is None:
         return None
     _declare_vocabulary(result.graph, small.config.vocab_size, config.vocab_size)
+    # Each layer's own window and RoPE frequencies, in the dtype their template's initializer was traced in.
+    data = {name: data_types[name.rsplit(".", 1)[-1]] for name in layer_data_buffers(model)}
     placed = _fill_initializers(
-        result.graph, plan, dict(model.named_parameters(remove_duplicate=False)), weights or WeightFill()
+        result.graph, plan, dict(model.named_parameters(remove_duplicate=False)), weights or WeightFill(), data, model
     )
-    return result, _weight_entries(model, placed)
+    return result, _weight_entries(model, [p for p in placed if p[1] not in data])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +292,7 @@ class _Block:
     per_block_inputs: set[str]  # graph inputs named per block (past.0.*); the rest (position_ids, masks) are shared
 
 
-def _replicate_kinds(model, small, proto, config, input_names, output_names, sources, weights):
+def _replicate_kinds(model, small, proto, config, input_names, output_names, sources, weights, data_types):
     """replicate_with_weights for layers of several kinds: the small model's block j is the template of kind j,
     and every layer of the full model is a copy of its kind's template (the templates themselves are dropped).
 
@@ -294,7 +333,7 @@ def _replicate_kinds(model, small, proto, config, input_names, output_names, sou
             node.input[:] = [last_output if x in ends else x for x in node.input]
             outside.append(node)
     nodes = topological(outside + shared + copies)
-    return _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights)
+    return _finished(proto, nodes, input_names, output_names, plan, model, small, config, weights, data_types)
 
 
 def _template(proto: onnx.ModelProto, width: int, index: int) -> _Block | None:
@@ -521,15 +560,33 @@ def _declaration(values: dict[str, onnx.ValueInfoProto], name: str, layers: int)
 
 
 def _fill_initializers(
-    graph: onnx.GraphProto, plan: list, params: dict[str, nn.Parameter], fill: WeightFill
+    graph: onnx.GraphProto,
+    plan: list,
+    params: dict[str, nn.Parameter],
+    fill: WeightFill,
+    data: dict[str, int] | None = None,
+    model: nn.Module | None = None,
 ) -> list[tuple[str, str, bool]]:
-    """Append the plan's initializers to `graph`, weights from `params` as `fill` says; return the weight entries."""
-    last_use = {id(params[entry[1]]): k for k, entry in enumerate(plan) if not isinstance(entry, onnx.TensorProto)}
+    """Append the plan's initializers to `graph`, weights from `params` as `fill` says; return the weight entries.
+    data: {layer-data buffer of `model`: ONNX dtype}, written as they are (neither converted nor released)."""
+    data = data or {}
+    buffers = dict(model.named_buffers()) if data else {}
+    last_use = {
+        id(params[entry[1]]): k
+        for k, entry in enumerate(plan)
+        if not isinstance(entry, onnx.TensorProto) and entry[1] not in data
+    }
     data_type = onnx.helper.np_dtype_to_tensor_dtype(fill.dtype)
     placed = []
     for k, entry in enumerate(plan):
         if isinstance(entry, onnx.TensorProto):
             graph.initializer.add().CopyFrom(entry)
+            continue
+        if entry[1] in data:
+            array = buffers[entry[1]].detach().cpu().numpy()
+            array = array.astype(onnx.helper.tensor_dtype_to_np_dtype(data[entry[1]]))
+            graph.initializer.append(numpy_helper.from_array(array, entry[0]))
+            placed.append(entry)
             continue
         # Filled in place: the model's weights are hundreds of MB, so they are copied once, not per step.
         name, param, transposed = entry

@@ -17,6 +17,7 @@ from models.rope import rope_attention_factor, rope_inverse_frequencies, rope_lo
 
 NORMS = ("layernorm", "rmsnorm")
 FFNS = ("relu", "gelu", "swiglu")
+NO_WINDOW = 2**62  # a layer_data window that no distance between two positions reaches
 
 
 class RMSNorm(nn.Module):
@@ -61,12 +62,16 @@ class Attention(nn.Module):
         sliding_window=None,
         scale=None,
         softcap=None,
+        layer_data=False,
     ):
         """bias: every projection has one; qkv_bias: q/k/v only (Qwen2). head_width: None is width / heads.
         rotary_dim: RoPE on that many leading dims of each head (None: all). qk_norm: RMSNorm (eps) of queries
         and keys before RoPE, per head ("head": Qwen3, Gemma 3) or over all heads ("full": OLMo 2).
         sliding_window: keys at most window - 1 positions before the query. scale: the scores' multiplier
-        (None: head_width ** -0.5). softcap: scores = softcap * tanh(scores / softcap)."""
+        (None: head_width ** -0.5). softcap: scores = softcap * tanh(scores / softcap). layer_data: the window
+        and the RoPE frequencies are buffers that the computation reads (no window: NO_WINDOW; no RoPE: zero
+        frequencies, a rotation by 0, which leaves q and k bit for bit), so layers that differ only in them
+        trace to one graph (exporters/replicate.py); LongRoPE is not held this way."""
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_width = head_width or width // heads
@@ -83,9 +88,16 @@ class Attention(nn.Module):
             full = qk_norm == "full"
             self.q_norm = RMSNorm(q_width if full else self.head_width, eps)
             self.k_norm = RMSNorm(kv_width if full else self.head_width, eps)
-        self.rope = rope_base is not None
+        self.layer_data = layer_data
+        if layer_data:
+            window = NO_WINDOW if sliding_window is None else sliding_window
+            self.register_buffer("window", torch.tensor(window, dtype=torch.int64), persistent=False)
+        self.rope = rope_base is not None or layer_data
         if self.rope:
-            inv_freq = rope_inverse_frequencies(self.rotary_dim, rope_base, rope_scaling)
+            if rope_base is None:  # a layer without RoPE among layers with it
+                inv_freq = torch.zeros(self.rotary_dim // 2, dtype=torch.float64)
+            else:
+                inv_freq = rope_inverse_frequencies(self.rotary_dim, rope_base, rope_scaling)
             self.register_buffer("inv_freq", inv_freq, persistent=False)
             self.rope_factor = rope_attention_factor(rope_scaling)
             # LongRoPE: the long factors apply to a call whose last position is past the original context.
@@ -135,7 +147,7 @@ class Attention(nn.Module):
             v,
             causal=self.causal,
             key_mask=key_mask,
-            window=self.sliding_window,
+            window=self.window if self.layer_data else self.sliding_window,
             scale=self.scale,
             softcap=self.softcap,
         )

@@ -10,6 +10,8 @@ Granite scales each branch by residual_scale before the add. The configs are in 
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.nn as nn
 
@@ -38,6 +40,11 @@ __all__ = [
 ]
 
 
+# Set while exporters/replicate.py builds the one-block model of a per_layer_data config: its single layer has
+# nothing to differ from, yet must trace to the graph every layer of the full model shares.
+LAYER_DATA: contextvars.ContextVar[bool] = contextvars.ContextVar("layer_data", default=False)
+
+
 class LlamaBlock(Block):
     """One LLaMA-style block: RMSNorm, RoPE attention (MHA or GQA), SwiGLU; stages by name."""
 
@@ -46,6 +53,7 @@ class LlamaBlock(Block):
         self.config = config
         self.placement = config.norm_placement
         layer = config.layer_attention(index)
+        layer_data = getattr(config, "per_layer_data", False) or LAYER_DATA.get()
         # Definition order fixes parameter order: norm_a, q, k, v, o, [post_a], norm_f, gate, up, down, [post_f].
         if self.placement != "branch_post":
             self.attention_norm = make_norm(config.norm, config.width, config.eps)
@@ -66,6 +74,7 @@ class LlamaBlock(Block):
             sliding_window=layer["window"],
             scale=config.attention_scale,
             softcap=config.attention_softcap,
+            layer_data=layer_data,
         )
         if self.placement in ("sandwich", "branch_post"):
             self.attention_post_norm = make_norm(config.norm, config.width, config.eps)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from models import validation as v
 from models.layers import stage_names
-from models.rope import validate_rope_scaling
+from models.rope import rope_attention_factor, validate_rope_scaling
 
 BLOCK_STAGES = stage_names("pre", cross=False)
 # Post-norm computes the branches before the norms; stage order follows computation.
@@ -160,6 +160,23 @@ class LlamaConfig(BlockConfig):
     def uniform_layers(self) -> bool:
         """Every layer computes the same function of its own weights (one traced block can stand for all)."""
         return all(self.layer_attention(i) == self.layer_attention(0) for i in range(self.layers))
+
+    @property
+    def per_layer_data(self) -> bool:
+        """The layers differ, but only in values their attention can hold as buffers (models.layers.Attention
+        layer_data): the window, and the RoPE frequencies where no layer has LongRoPE and every layer's cos and
+        sin take the same factor (a layer without RoPE rotates by zero frequencies, factor 1). One traced block
+        then stands for every layer (exporters/replicate.layer_kinds)."""
+        if self.uniform_layers:
+            return False
+        structures = set()
+        for i in range(self.layers):
+            layer = self.layer_attention(i)
+            scaling = layer["rope_scaling"] or {}
+            if scaling.get("rope_type") == "longrope":
+                return False
+            structures.add(rope_attention_factor(scaling) if layer["rope_base"] is not None else 1.0)
+        return len(structures) == 1
 
 
 @dataclass

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from exporters import onnx_export, replicate
 from models.gpt import GPTConfig
+from models.layers import NO_WINDOW
 from models.llama import LlamaConfig
 from models.registry import build_model, get_family
 from runners.registry import create_runner
@@ -118,3 +120,45 @@ def test_a_value_leaving_the_block_sideways_makes_it_trace_the_whole_model():
     inner = next(n for n in proto.graph.node if "model.block.0" in replicate._scopes(n) and n.op_type == "MatMul")
     proto.graph.node.append(onnx.helper.make_node("Identity", [inner.output[0]], ["leak"]))
     assert replicate.replicate(model, small, proto, config, [s.name for s in full_inputs], list(full_names)) is None
+
+
+def test_layers_that_differ_in_window_and_rope_are_one_traced_block_with_their_own_values(tmp_path):
+    # Gemma 3's pattern (local layers: a window and their own RoPE base) and SmolLM3's (a layer without RoPE)
+    # together: the differences are each layer's buffers, so one block is traced and every copy reads its own.
+    types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    config = LlamaConfig(
+        layers=4, sliding_window=3, local_rope_base=100.0, layer_types=types, no_rope_layers=[1, 1, 0, 1]
+    )
+    assert config.per_layer_data and replicate.layer_kinds(config) == ([0, 0, 0, 0], [0])
+    model = build_model("llama", config, seed=3)
+    artifact = onnx_export.export_model(model, "llama", config, tmp_path / "a", variant="serving")
+    assert artifact.graphs[0].entry.data["traced_blocks"] == 1
+    proto = onnx.load(artifact.graphs[0].model_path)
+    initializers = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    consumed = {x for node in proto.graph.node for x in node.input}
+    exponents = np.arange(0, config.head_width, 2) / config.head_width  # inv_freq = base^(-2i/d)
+    local, full = 100.0**-exponents, config.rope_base**-exponents
+    for i, kind in enumerate(types):
+        window = initializers[f"model.block.{i}.attention.window"]
+        assert int(window) == (3 if kind == "sliding_attention" else NO_WINDOW), i
+        expected = np.zeros_like(full) if i == 2 else local if kind == "sliding_attention" else full
+        np.testing.assert_allclose(initializers[f"model.block.{i}.attention.inv_freq"], expected, rtol=1e-6)
+        assert {f"model.block.{i}.attention.window", f"model.block.{i}.attention.inv_freq"} <= consumed
+    # Not weights: the eager reference computes them from the config, so the weight map leaves them out.
+    assert not any("window" in name or "inv_freq" in name for name in artifact.graphs[0].weights)
+
+
+def test_a_rotation_by_zero_frequencies_leaves_queries_and_keys_bit_for_bit():
+    # A layer without RoPE among layers with it rotates by zero frequencies: cos 1, sin 0, so q and k are the
+    # same bits as not rotating at all (in the float64 oracle as in float32).
+    config = LlamaConfig(layers=2, no_rope_layers=[1, 0])
+    assert config.per_layer_data
+    model = build_model("llama", config, seed=1).double()
+    plain = build_model("llama", LlamaConfig(layers=1, no_rope_layers=[0]), init=False).double()
+    plain.load_state_dict(
+        {k.replace("block.1.", "block.0."): v for k, v in model.state_dict().items() if not k.startswith("block.0.")},
+        strict=True,
+    )
+    x = torch.randn(2, 5, config.width, dtype=torch.float64)
+    assert torch.equal(model.block[1](x)["output"], plain.block[0](x)["output"])
+    assert model.block[1].attention.layer_data and not plain.block[0].attention.rope
