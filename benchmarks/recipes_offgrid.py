@@ -8,14 +8,15 @@ about a third of a row's RMS, so 0.03-0.08 is 10-25 % of a step), and the result
 directory (safetensors, the GGUF's tokenizer). The float model is then that noisy one: its own perplexity is
 the baseline each recipe is measured against. Noise 0 is the GGUF's weights as they are (on the grid). For each
 noise level: `toolkit export --lowering ort`, then
-`toolkit quantize` with each recipe at 4 bits, and rtn and mixed at 8, recording the quality report (greedy agreement, perplexity,
+`toolkit quantize` with each recipe at 4 bits (the k-quant ones with and without --imatrix), and rtn and mixed
+at 8, recording the quality report (greedy agreement, perplexity,
 logit error against the float artifact on ort-cpu) and the quantize wall time.
 
 Needs transformers and accelerate (transformers' GGUF loader requires it); the saved config drops the keys that
 transformers copies from the GGUF's metadata and that no Hugging Face checkpoint holds (`_model_name_or_path`,
 `unk_token_id`), which the import would otherwise refuse as unknown.
 
-    .venv/bin/python benchmarks/recipes_offgrid.py --work /tmp/offgrid --json benchmarks/results/2026-12-02-recipes-offgrid.json
+    .venv/bin/python benchmarks/recipes_offgrid.py --work /tmp/offgrid --json benchmarks/results/2026-12-02-recipes-offgrid-imatrix.json
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ RECIPES = {
     "rtn, level 0": ["--bits", "4", "--recipe", "rtn", "--accuracy-level", "0"],
     "rtn, level 4": ["--bits", "4", "--recipe", "rtn", "--accuracy-level", "4"],
     "hqq, level 4": ["--bits", "4", "--recipe", "hqq", "--accuracy-level", "4"],
-    "kquant, level 4": ["--bits", "4", "--recipe", "kquant", "--accuracy-level", "4"],
-    "mixed, level 4": ["--bits", "4", "--recipe", "mixed", "--accuracy-level", "4"],
-    "measured, level 4": ["--bits", "4", "--recipe", "measured", "--accuracy-level", "4"],
+    "kquant, level 4": ["--bits", "4", "--recipe", "kquant", "--no-imatrix", "--accuracy-level", "4"],
+    "mixed, level 4": ["--bits", "4", "--recipe", "mixed", "--no-imatrix", "--accuracy-level", "4"],
+    "measured, level 4": ["--bits", "4", "--recipe", "measured", "--no-imatrix", "--accuracy-level", "4"],
+    "kquant imatrix, level 4": ["--bits", "4", "--recipe", "kquant", "--imatrix", "--accuracy-level", "4"],
+    "mixed imatrix, level 4": ["--bits", "4", "--recipe", "mixed", "--imatrix", "--accuracy-level", "4"],
+    "measured imatrix, level 4": ["--bits", "4", "--recipe", "measured", "--imatrix", "--accuracy-level", "4"],
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
-    "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--accuracy-level", "4"],
+    "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--no-imatrix", "--accuracy-level", "4"],
 }
 NOT_HF_KEYS = ("_model_name_or_path", "unk_token_id")  # transformers' GGUF metadata, in no HF checkpoint
 

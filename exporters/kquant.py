@@ -21,11 +21,16 @@ SEARCH_DELTA = 0.1
 SLAB_VALUES = 1 << 22  # values searched at a time (the candidates' arrays are a few times this in float32)
 
 
-def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NBitsWeight:
+def kquant_blocks(
+    weight: np.ndarray, bits: int = 4, block_size: int = 32, importance: np.ndarray | None = None
+) -> NBitsWeight:
     """The MatMulNBits weight (with offsets) of float `weight` [K, N] (a MatMul's B). A K that does not fill its
     last block is padded, as MatMulNBits pads it: the padding repeats the block's smallest value (so the block's
-    range is its own) with no weight in the search, and its codes are 0."""
+    range is its own) with no weight in the search, and its codes are 0. importance: [K], how much each input
+    channel carries (toolkit/quantize/importance.py), which weights the search's least squares."""
     k, n = weight.shape
+    if importance is not None and importance.shape != (k,):
+        raise ValueError(f"importance: expected shape ({k},), got {importance.shape}")
     rows = np.ascontiguousarray(weight.T, dtype=np.float32)  # [N, K]: one row of blocks per output column
     valid = None
     if k % block_size:
@@ -34,6 +39,8 @@ def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NB
         rows = np.concatenate([rows, np.repeat(last, pad, axis=1)], axis=1)
         valid = np.arange(k + pad) < k
         k_real, k = k, k + pad
+        if importance is not None:
+            importance = np.concatenate([importance, np.zeros(pad, dtype=importance.dtype)])
     q = np.empty((n, k), dtype=np.uint8)
     scales = np.empty((n, k // block_size), dtype=np.float32)
     minimums = np.empty_like(scales)
@@ -41,7 +48,8 @@ def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NB
     for start in range(0, n, slab):
         chunk = rows[start : start + slab]
         mask = None if valid is None else np.broadcast_to(valid, chunk.shape).reshape(-1, block_size)
-        found = search(chunk.reshape(-1, block_size), (1 << bits) - 1, mask)
+        held = None if importance is None else np.broadcast_to(importance, chunk.shape).reshape(-1, block_size)
+        found = search(chunk.reshape(-1, block_size), (1 << bits) - 1, mask, held)
         stop = start + len(chunk)
         q[start:stop] = found[0].reshape(stop - start, k)
         scales[start:stop] = found[1].reshape(stop - start, -1)
@@ -55,11 +63,14 @@ def kquant_blocks(weight: np.ndarray, bits: int = 4, block_size: int = 32) -> NB
     return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size, partial)
 
 
-def search(x: np.ndarray, top: int, valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def search(
+    x: np.ndarray, top: int, valid: np.ndarray | None = None, importance: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q [B, L] uint8 in 0..top, s [B] float32, m [B] float32) minimising sum(w (s q + m - x)^2) per block of
-    x [B, L] over the candidate scales, w = rms(block) + |x|. A constant block is s = 0, m = its value. valid
-    [B, L] (bool): the values that count (w = 0 and the rms without the others); the others must lie in the
-    block's range.
+    x [B, L] over the candidate scales, w = rms(block) + |x|, or with importance [B, L] (each value's input
+    channel's mean square) w = importance sqrt(2 mean(block^2) + x^2), llama.cpp's weighting with an importance
+    matrix. A constant block is s = 0, m = its value. valid [B, L] (bool): the values that count (w = 0 and the
+    block's statistics without the others); the others must lie in the block's range.
 
     Computed with torch, whose elementwise kernels use every intra-op thread (numpy's use one): the search
     dominates a k-quant recipe's time, about 2x faster here on 2 cores."""
@@ -68,12 +79,17 @@ def search(x: np.ndarray, top: int, valid: np.ndarray | None = None) -> tuple[np
     span = high - low
     flat = span == 0
     span = torch.where(flat, 1.0, span)
-    if valid is None:
-        w = (x * x).mean(dim=1, keepdim=True).sqrt() + x.abs()
+    counted = None if valid is None else torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)
+    if counted is None:
+        square = (x * x).mean(dim=1, keepdim=True)
     else:
-        counted = torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)
-        rms = ((x * x * counted).sum(dim=1, keepdim=True) / counted.sum(dim=1, keepdim=True)).sqrt()
-        w = (rms + x.abs()) * counted
+        square = (x * x * counted).sum(dim=1, keepdim=True) / counted.sum(dim=1, keepdim=True)
+    if importance is None:
+        w = square.sqrt() + x.abs()
+    else:
+        w = torch.from_numpy(np.ascontiguousarray(importance, dtype=np.float32)) * (2 * square + x * x).sqrt()
+    if counted is not None:
+        w = w * counted
     from_low = x - low[:, None]
 
     def rounded(levels):  # q for the candidate scale span / levels, from the block's minimum

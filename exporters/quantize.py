@@ -622,7 +622,8 @@ def _step(spec: dict, scales: np.ndarray) -> np.ndarray:
     return np.repeat(scales.reshape(n, -1).astype(np.float32).T, block, axis=0)[:k]
 
 
-def quantizer_version(algorithm: str) -> dict:
+def quantizer_version(algorithm: str, imatrix: bool = False) -> dict:
+    """The manifest's quantizer entry; imatrix: the k-quant search weighted by input channels' mean squares."""
     import onnxruntime
 
     described = {
@@ -633,8 +634,9 @@ def quantizer_version(algorithm: str) -> dict:
         "measured": "k-quant search, the vocabulary projection and the most sensitive weights (measured) at 8 bits",
     }
     ours = algorithm in ("kquant", "mixed", "measured")
+    weighting = "; the search weighted by each input channel's mean square on a calibration text" if imatrix else ""
     return {
         "tool": "exporters.kquant" if ours else "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
-        "algorithm": described[algorithm],
+        "algorithm": described[algorithm] + weighting,
         "onnxruntime": onnxruntime.__version__,
     }

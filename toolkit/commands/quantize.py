@@ -9,7 +9,7 @@ import click
 from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
 from toolkit.progress import Progress
-from toolkit.quantize.pipeline import GREEDY_TOKENS, RECIPES, quantize_artifact
+from toolkit.quantize.pipeline import DEFAULT_IMATRIX, GREEDY_TOKENS, RECIPES, quantize_artifact
 from toolkit.quantize.sensitivity import PROMOTED_SHARE
 
 
@@ -60,6 +60,13 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     f"{PROMOTED_SHARE}]",
 )
 @click.option(
+    "--imatrix/--no-imatrix",
+    default=None,
+    help="--recipe kquant|mixed|measured: weight each block's search by how much each input channel carries, the "
+    "mean square of the weight's input on a calibration text run through the float model (llama.cpp's importance "
+    f"matrix). [default: {'on' if DEFAULT_IMATRIX else 'off'}]",
+)
+@click.option(
     "--greedy-tokens",
     type=click.IntRange(min=1),
     default=GREEDY_TOKENS,
@@ -77,6 +84,7 @@ def command(
     algorithm,
     accuracy_level,
     promote_share,
+    imatrix,
     greedy_tokens,
     out_dir,
     json_file,
@@ -92,6 +100,7 @@ def command(
         algorithm=algorithm,
         recipe=recipe,
         promote_share=promote_share,
+        imatrix=imatrix,
         greedy_tokens=greedy_tokens,
         progress=Progress("quantize", quiet),
     )

@@ -48,6 +48,7 @@ from exporters.quantize import (
 )
 from models.artifacts import artifact_config, open_artifact
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
+from toolkit.quantize.importance import importance
 from toolkit.quantize.sensitivity import PROMOTED_SHARE, measure
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
@@ -71,13 +72,15 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 # Q4_1 files keep their output matrix wider; measured: mixed with the MatMul weights that move the model most
 # at 4 bits (measured one by one, toolkit/quantize/sensitivity.py) at 8 bits too; rtn, hqq: the float weights
 # re-rounded by ONNX Runtime's node quantizers.
-RECIPES = ("gguf", "kquant", "mixed", "measured", *ALGORITHMS)
+KQUANT_RECIPES = ("kquant", "mixed", "measured")
+RECIPES = ("gguf", *KQUANT_RECIPES, *ALGORITHMS)
 HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
 # Without --recipe, float weights take the recipe that keeps the model best at each width without measuring it,
 # on SmolLM2 with weights on and off a 4-bit grid (benchmarks/recipes_offgrid.py): mixed at 4 bits (rtn's
 # perplexity rise is 3x mixed's); rtn at 8 bits, where a float minimum gains nothing measurable and its offsets
 # cost decode time. measured keeps more off the grid but takes 1.6x the time and decodes at 0.89x mixed.
 DEFAULT_RECIPES = {4: "mixed", 8: "rtn"}
+DEFAULT_IMATRIX = False
 # int8 activations: ONNX Runtime's fast MatMulNBits kernels (level 0 has none for 8-bit or float-zero-point
 # weights) and what llama.cpp computes with quantized weights. Level 0 stays a flag: toolkit check holds its
 # graph to the dequantized weights exactly.
@@ -104,6 +107,7 @@ def quantize_artifact(
     recipe: str | None = None,
     q4_1: str = "offsets",
     promote_share: float | None = None,
+    imatrix: bool | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     progress=None,
 ) -> QuantizeResult:
@@ -117,7 +121,9 @@ def quantize_artifact(
     DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
     0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout
     (exporters/gguf_blocks.Q4_1_LAYOUTS). promote_share: the measured recipe's largest share of the MatMul
-    weights' elements at 8 bits (default PROMOTED_SHARE). progress(message): called as each step starts."""
+    weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
+    channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
+    progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
     named = recipe is not None or algorithm is not None
     recipe = _recipe(recipe, algorithm, block_size)
@@ -125,12 +131,16 @@ def quantize_artifact(
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    if recipe in ("kquant", "mixed", "measured", *ALGORITHMS) and bits is None:
+    if recipe in (*KQUANT_RECIPES, *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
     if recipe == "measured" and bits == 8:
         raise ConfigError("--recipe measured keeps chosen 4-bit weights at 8 bits; with --bits 8 use mixed or rtn")
     if promote_share is not None and recipe != "measured":
         raise ConfigError(f"--promote-share applies to --recipe measured, not {recipe or 'the default recipe'}")
+    if imatrix is not None and recipe not in KQUANT_RECIPES:
+        raise ConfigError(
+            f"--imatrix applies to --recipe {', '.join(KQUANT_RECIPES)}, not {recipe or 'the default recipe'}"
+        )
     if promote_share is not None and not 0 < promote_share <= 1:
         raise ConfigError(f"--promote-share: expected a share in (0, 1], got {promote_share!r}")
     if recipe == "hqq" and bits != 4:
@@ -158,6 +168,7 @@ def quantize_artifact(
         why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
         raise ConfigError(f"--bits is required{why}")
     recipe = "gguf" if gguf is not None else recipe or DEFAULT_RECIPES[bits]
+    imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     algorithm = "rtn" if recipe == "gguf" else recipe
     block_size = block_size or 32
     if accuracy_level is None:
@@ -183,22 +194,35 @@ def quantize_artifact(
             blocks = gguf.blocks(prepared, weights, graph.entry.data["weights"], folded, copies, originals)
             progress(f"taking {graph.model_path.name}'s {matmuls} MatMul weights from {gguf.path.name}'s blocks")
             bounds = gguf.bounds
-        elif recipe in ("kquant", "mixed", "measured"):
+        elif recipe in KQUANT_RECIPES:
             head_b = None if head is None or recipe == "kquant" else head_copy(copies, torch_weight(originals, head))
             wide = {head_b}
+            weighted = {}
+            if imatrix:
+                progress(f"measuring the input channels of {matmuls} MatMul weights on a calibration text")
+                weighted = importance(source, matmul_b, graph.entry.data["weights"], folded)
             if recipe == "measured":
                 progress(f"measuring each of {matmuls} MatMul weights' effect at {bits} bits on the float model")
                 source_map = graph.entry.data["weights"]
                 share = PROMOTED_SHARE if promote_share is None else promote_share
                 promotion = measure(
-                    source, weights, matmul_b - wide, source_map, folded, bits=bits, block_size=block_size, share=share
+                    source,
+                    weights,
+                    matmul_b - wide,
+                    source_map,
+                    folded,
+                    bits=bits,
+                    block_size=block_size,
+                    share=share,
+                    importance=weighted,
                 )
                 wide |= promotion.promoted
 
-            def blocks(b, weights=weights, wide=wide, made=promotion.four_bit if promotion else {}):
+            def blocks(b, weights=weights, wide=wide, made=promotion.four_bit if promotion else {}, weighted=weighted):
                 if b in made:
                     return made.pop(b)
-                return kquant_blocks(weights.array(b), HEAD_BITS if b in wide else bits, block_size)
+                width = HEAD_BITS if b in wide else bits
+                return kquant_blocks(weights.array(b), width, block_size, weighted.get(b))
 
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({recipe}, k-quant search)")
         if blocks is not None:
@@ -242,7 +266,7 @@ def quantize_artifact(
         "algorithm": recipe,
         "accuracy_level": accuracy_level,
         "quantized_matmuls": total,
-        "quantizer": gguf.version() if gguf is not None else quantizer_version(algorithm),
+        "quantizer": gguf.version() if gguf is not None else quantizer_version(algorithm, imatrix),
         "source": {"directory": str(source_dir.resolve()), "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,

@@ -94,9 +94,11 @@ def measure(
     bits: int,
     block_size: int,
     share: float = PROMOTED_SHARE,
+    importance: dict | None = None,
 ):
     """The Promotion for one graph's MatMul weights (`weights`: the prepared graph's GraphWeights), measured on
-    the float model rebuilt from `source`, promoting at most `share` of their elements."""
+    the float model rebuilt from `source`, promoting at most `share` of their elements. importance: {B: [K]},
+    the --imatrix weighting of each 4-bit k-quant."""
     from models.artifacts import artifact_config
     from models.registry import lm_defaults
     from runners.eager import eager_runner, model_from_artifact
@@ -122,7 +124,7 @@ def measure(
     with torch.no_grad():
         for b, entries in held.items():
             stored = weights.array(b)
-            four_bit[b] = quantized = kquant_blocks(stored, bits, block_size)
+            four_bit[b] = quantized = kquant_blocks(stored, bits, block_size, (importance or {}).get(b))
             dequantized = quantized.dequantize().astype(np.float32, copy=False)
             kept = [(parameters[e["name"]], parameters[e["name"]].detach().clone()) for e in entries]
             for entry, (parameter, _) in zip(entries, kept, strict=True):
