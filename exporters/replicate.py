@@ -54,7 +54,7 @@ def layer_kinds(config) -> tuple[list[int], list[int]]:
     values their attention holds as buffers (per_layer_data: Gemma 2/3's local and global layers, SmolLM3's
     layers with and without RoPE) is one kind; the others are one kind per distinct layer_attention."""
     layers = getattr(config, "layers", 1)
-    if not hasattr(config, "layer_attention") or getattr(config, "per_layer_data", False):
+    if not hasattr(config, "layer_attention") or getattr(config, "per_layer_data", ()):
         return [0] * layers, [0]  # per_layer_data: the layers' differences are buffers, refilled per layer
     seen: dict[str, int] = {}
     kinds, firsts = [], []
@@ -84,7 +84,7 @@ def one_block_model(model: nn.Module, family: str, config, seed: int = 0):
     small_config = dataclasses.replace(config, layers=len(firsts), vocab_size=vocab, **per_layer)
     from models.llama import LAYER_DATA
 
-    token = LAYER_DATA.set(bool(getattr(config, "per_layer_data", False)))
+    token = LAYER_DATA.set(tuple(getattr(config, "per_layer_data", ())))
     try:
         small = build_model(family, small_config, init=False)
     finally:
@@ -109,10 +109,7 @@ def layer_data_buffers(model: nn.Module) -> list[str]:
     """The buffers that hold a layer's own values (models.layers.Attention layer_data: window, RoPE
     frequencies): each layer's copy of the traced block reads its own."""
     return [
-        f"{name}.{buffer}"
-        for name, module in model.named_modules()
-        if getattr(module, "layer_data", False)
-        for buffer in ("window", "inv_freq")
+        f"{name}.{buffer}" for name, module in model.named_modules() for buffer in getattr(module, "layer_data", ())
     ]
 
 

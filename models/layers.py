@@ -62,14 +62,14 @@ class Attention(nn.Module):
         sliding_window=None,
         scale=None,
         softcap=None,
-        layer_data=False,
+        layer_data=(),
     ):
         """bias: every projection has one; qkv_bias: q/k/v only (Qwen2). head_width: None is width / heads.
         rotary_dim: RoPE on that many leading dims of each head (None: all). qk_norm: RMSNorm (eps) of queries
         and keys before RoPE, per head ("head": Qwen3, Gemma 3) or over all heads ("full": OLMo 2).
         sliding_window: keys at most window - 1 positions before the query. scale: the scores' multiplier
-        (None: head_width ** -0.5). softcap: scores = softcap * tanh(scores / softcap). layer_data: the window
-        and the RoPE frequencies are buffers that the computation reads (no window: NO_WINDOW; no RoPE: zero
+        (None: head_width ** -0.5). softcap: scores = softcap * tanh(scores / softcap). layer_data: which of
+        "window" and "inv_freq" are buffers that the computation reads (no window: NO_WINDOW; no RoPE: zero
         frequencies, a rotation by 0, which leaves q and k bit for bit), so layers that differ only in them
         trace to one graph (exporters/replicate.py); LongRoPE is not held this way."""
         super().__init__()
@@ -89,10 +89,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_width if full else self.head_width, eps)
             self.k_norm = RMSNorm(kv_width if full else self.head_width, eps)
         self.layer_data = layer_data
-        if layer_data:
+        if "window" in layer_data:
             window = NO_WINDOW if sliding_window is None else sliding_window
             self.register_buffer("window", torch.tensor(window, dtype=torch.int64), persistent=False)
-        self.rope = rope_base is not None or layer_data
+        self.rope = rope_base is not None or "inv_freq" in layer_data
         if self.rope:
             if rope_base is None:  # a layer without RoPE among layers with it
                 inv_freq = torch.zeros(self.rotary_dim // 2, dtype=torch.float64)
@@ -147,7 +147,7 @@ class Attention(nn.Module):
             v,
             causal=self.causal,
             key_mask=key_mask,
-            window=self.window if self.layer_data else self.sliding_window,
+            window=self.window if "window" in self.layer_data else self.sliding_window,
             scale=self.scale,
             softcap=self.softcap,
         )

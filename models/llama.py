@@ -42,7 +42,7 @@ __all__ = [
 
 # Set while exporters/replicate.py builds the one-block model of a per_layer_data config: its single layer has
 # nothing to differ from, yet must trace to the graph every layer of the full model shares.
-LAYER_DATA: contextvars.ContextVar[bool] = contextvars.ContextVar("layer_data", default=False)
+LAYER_DATA: contextvars.ContextVar[tuple] = contextvars.ContextVar("layer_data", default=())
 
 
 class LlamaBlock(Block):
@@ -53,7 +53,7 @@ class LlamaBlock(Block):
         self.config = config
         self.placement = config.norm_placement
         layer = config.layer_attention(index)
-        layer_data = getattr(config, "per_layer_data", False) or LAYER_DATA.get()
+        layer_data = getattr(config, "per_layer_data", ()) or LAYER_DATA.get()
         # Definition order fixes parameter order: norm_a, q, k, v, o, [post_a], norm_f, gate, up, down, [post_f].
         if self.placement != "branch_post":
             self.attention_norm = make_norm(config.norm, config.width, config.eps)

@@ -162,21 +162,26 @@ class LlamaConfig(BlockConfig):
         return all(self.layer_attention(i) == self.layer_attention(0) for i in range(self.layers))
 
     @property
-    def per_layer_data(self) -> bool:
-        """The layers differ, but only in values their attention can hold as buffers (models.layers.Attention
-        layer_data): the window, and the RoPE frequencies where no layer has LongRoPE and every layer's cos and
-        sin take the same factor (a layer without RoPE rotates by zero frequencies, factor 1). One traced block
-        then stands for every layer (exporters/replicate.layer_kinds)."""
+    def per_layer_data(self) -> tuple[str, ...]:
+        """What the layers differ in, when that is only values their attention can hold as buffers
+        (models.layers.Attention layer_data): "window" where the windows differ, "inv_freq" where the RoPE
+        frequencies do, no layer has LongRoPE and every layer's cos and sin take the same factor (a layer
+        without RoPE rotates by zero frequencies, factor 1). One traced block then stands for every layer
+        (exporters/replicate.layer_kinds). Empty for uniform layers and for layers that differ otherwise."""
         if self.uniform_layers:
-            return False
-        structures = set()
-        for i in range(self.layers):
-            layer = self.layer_attention(i)
+            return ()
+        layers = [self.layer_attention(i) for i in range(self.layers)]
+        factors = set()
+        for layer in layers:
             scaling = layer["rope_scaling"] or {}
             if scaling.get("rope_type") == "longrope":
-                return False
-            structures.add(rope_attention_factor(scaling) if layer["rope_base"] is not None else 1.0)
-        return len(structures) == 1
+                return ()
+            factors.add(rope_attention_factor(scaling) if layer["rope_base"] is not None else 1.0)
+        if len(factors) > 1:
+            return ()
+        windows = {layer["window"] for layer in layers}
+        ropes = {(layer["rope_base"], repr(layer["rope_scaling"])) for layer in layers}
+        return (("window",) if len(windows) > 1 else ()) + (("inv_freq",) if len(ropes) > 1 else ())
 
 
 @dataclass

@@ -129,7 +129,8 @@ def test_layers_that_differ_in_window_and_rope_are_one_traced_block_with_their_o
     config = LlamaConfig(
         layers=4, sliding_window=3, local_rope_base=100.0, layer_types=types, no_rope_layers=[1, 1, 0, 1]
     )
-    assert config.per_layer_data and replicate.layer_kinds(config) == ([0, 0, 0, 0], [0])
+    assert config.per_layer_data == ("window", "inv_freq")
+    assert replicate.layer_kinds(config) == ([0, 0, 0, 0], [0])
     model = build_model("llama", config, seed=3)
     artifact = onnx_export.export_model(model, "llama", config, tmp_path / "a", variant="serving")
     assert artifact.graphs[0].entry.data["traced_blocks"] == 1
@@ -152,7 +153,7 @@ def test_a_rotation_by_zero_frequencies_leaves_queries_and_keys_bit_for_bit():
     # A layer without RoPE among layers with it rotates by zero frequencies: cos 1, sin 0, so q and k are the
     # same bits as not rotating at all (in the float64 oracle as in float32).
     config = LlamaConfig(layers=2, no_rope_layers=[1, 0])
-    assert config.per_layer_data
+    assert config.per_layer_data == ("inv_freq",)  # no window differs: no window buffer, no mask
     model = build_model("llama", config, seed=1).double()
     plain = build_model("llama", LlamaConfig(layers=1, no_rope_layers=[0]), init=False).double()
     plain.load_state_dict(
@@ -161,4 +162,5 @@ def test_a_rotation_by_zero_frequencies_leaves_queries_and_keys_bit_for_bit():
     )
     x = torch.randn(2, 5, config.width, dtype=torch.float64)
     assert torch.equal(model.block[1](x)["output"], plain.block[0](x)["output"])
-    assert model.block[1].attention.layer_data and not plain.block[0].attention.rope
+    assert model.block[1].attention.layer_data == ("inv_freq",) and not plain.block[0].attention.rope
+    assert not hasattr(model.block[1].attention, "window")

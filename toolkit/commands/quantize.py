@@ -118,7 +118,8 @@ def command(
     else:
         click.echo(
             f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {made['bits']}-bit "
-            f"(block {made['block_size']}, {result.recipe}, MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
+            f"(block {made['block_size']}, {result.recipe}{', imatrix' if made.get('imatrix') else ''}, MatMulNBits, "
+            f"accuracy level {accuracy_level}) -> {out_dir}"
         )
         slow = made["bits"] == 8 or result.recipe in ("mixed", "measured", "hqq")  # the 8-bit head
     promotion = made.get("promotion")

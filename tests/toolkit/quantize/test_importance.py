@@ -99,15 +99,17 @@ def _held(matmul_b, graph, folded):
 
 
 def test_the_weighted_search_keeps_what_the_loud_channels_read(source, tmp_path):
-    plain = quantize(source, tmp_path / "plain")
-    weighted = quantize(source, tmp_path / "imatrix", "--imatrix")
+    plain = quantize(source, tmp_path / "plain", "--no-imatrix")
+    weighted = quantize(source, tmp_path / "imatrix")  # the default
     # Nearer the float model's logits by a wide margin, and agreeing with its greedy tokens at least as often
     # (the random model's perplexity on random ids says nothing here).
     assert weighted["quality"]["logits_mean_abs"] < 0.5 * plain["quality"]["logits_mean_abs"]
     assert weighted["quality"]["logits_max_abs"] < plain["quality"]["logits_max_abs"]
     assert weighted["quality"]["greedy_agreement"] >= plain["quality"]["greedy_agreement"]
     manifest = json.loads((tmp_path / "imatrix" / "manifest.json").read_text())
+    assert manifest["quantization"]["imatrix"] is True
     assert "mean square" in manifest["quantization"]["quantizer"]["algorithm"]
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["quantization"]["imatrix"] is False
     assert (
         "mean square"
         not in json.loads((tmp_path / "plain" / "manifest.json").read_text())["quantization"]["quantizer"]["algorithm"]

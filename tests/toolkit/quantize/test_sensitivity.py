@@ -47,7 +47,19 @@ def source(tmp_path_factory):
 def quantize(source, target, recipe):
     report = target.parent / f"{target.name}.json"
     result = invoke(
-        "quantize", source, "--bits", 4, "--recipe", recipe, "--accuracy-level", 0, "--out", target, "--json", report
+        "quantize",
+        source,
+        "--bits",
+        4,
+        "--recipe",
+        recipe,
+        "--no-imatrix",  # the planted weight is found by the measurement alone (the importance would see it too)
+        "--accuracy-level",
+        0,
+        "--out",
+        target,
+        "--json",
+        report,
     )
     assert result.exit_code == 0, result.output
     return result, json.loads(report.read_text())
@@ -101,7 +113,17 @@ def test_measured_answers_closer_to_float_than_mixed_and_checks(source, tmp_path
 def test_a_larger_share_promotes_more_and_the_share_is_only_for_measured(source, tmp_path):
     _, _ = quantize(source, tmp_path / "default", "measured")
     result = invoke(
-        "quantize", source, "--bits", 4, "--recipe", "measured", "--promote-share", 0.4, "--out", tmp_path / "wide"
+        "quantize",
+        source,
+        "--bits",
+        4,
+        "--recipe",
+        "measured",
+        "--no-imatrix",
+        "--promote-share",
+        0.4,
+        "--out",
+        tmp_path / "wide",
     )
     assert result.exit_code == 0, result.output
     default, wide = (
