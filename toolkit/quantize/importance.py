@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from artifact.errors import ConfigError
-from toolkit.quantize.sensitivity import calibration_ids, weights_of
+from toolkit.quantize.sensitivity import Calibration, weights_of
 
 
 class _InputSquares(TorchFunctionMode):
@@ -42,27 +42,16 @@ class _InputSquares(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def importance(source, matmul_b: set[str], source_map: dict, folded: dict) -> dict:
+def importance(calibrated: Calibration, matmul_b: set[str], source_map: dict, folded: dict) -> dict:
     """{B: float32 [K], the mean square of each input channel of the torch weight(s) B holds} over the
-    calibration text, for the MatMul weights `matmul_b` of `source`'s one graph. A fused B (QKV, gate/up) holds
+    calibration text, for the MatMul weights `matmul_b` of the calibrated graph. A fused B (QKV, gate/up) holds
     weights that read the same input. A B whose weight the float model never multiplies through F.linear is an
     error (its search would be weighted by nothing); kquant_blocks refuses an importance of another K."""
-    from models.artifacts import artifact_config
-    from models.registry import lm_defaults
-    from runners.eager import eager_runner, model_from_artifact
-
-    if len(source.graphs) != 1:
-        raise ConfigError(f"--imatrix: {source.location} has {len(source.graphs)} graphs; it calibrates one")
-    config = artifact_config(source)
-    model = model_from_artifact(source).eval()
-    runner = eager_runner(source, torch.float32, "eager", model=model)
-    ids = np.asarray([calibration_ids(source, config)], dtype=np.int64)
-    feed = {"input_ids": ids, **lm_defaults(runner.input_specs, ids)}
     held = weights_of(matmul_b, source_map, folded)
-    parameters = dict(model.named_parameters(remove_duplicate=False))
+    parameters = dict(calibrated.model.named_parameters(remove_duplicate=False))
     watched = {id(parameters[e["name"]]): e["name"] for entries in held.values() for e in entries}
     with _InputSquares(watched) as squares, torch.no_grad():
-        runner.run(feed)
+        calibrated.runner.run(calibrated.feed)
     found = {}
     for b, entries in held.items():
         names = [e["name"] for e in entries if e["name"] in squares.sums]

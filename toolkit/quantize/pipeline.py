@@ -49,7 +49,7 @@ from exporters.quantize import (
 from models.artifacts import artifact_config, open_artifact
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
 from toolkit.quantize.importance import importance
-from toolkit.quantize.sensitivity import PROMOTED_SHARE, measure
+from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -201,15 +201,17 @@ def quantize_artifact(
             head_b = None if head is None or recipe == "kquant" else head_copy(copies, torch_weight(originals, head))
             wide = {head_b}
             weighted = {}
+            # The float model is built once for both (and let go before the weights are quantized).
+            calibrated = calibration(source) if imatrix or recipe == "measured" else None
             if imatrix:
                 progress(f"measuring the input channels of {matmuls} MatMul weights on a calibration text")
-                weighted = importance(source, matmul_b, graph.entry.data["weights"], folded)
+                weighted = importance(calibrated, matmul_b, graph.entry.data["weights"], folded)
             if recipe == "measured":
                 progress(f"measuring each of {matmuls} MatMul weights' effect at {bits} bits on the float model")
                 source_map = graph.entry.data["weights"]
                 share = PROMOTED_SHARE if promote_share is None else promote_share
                 promotion = measure(
-                    source,
+                    calibrated,
                     weights,
                     matmul_b - wide,
                     source_map,
@@ -220,6 +222,7 @@ def quantize_artifact(
                     importance=weighted,
                 )
                 wide |= promotion.promoted
+            del calibrated
 
             def blocks(b, weights=weights, wide=wide, made=promotion.four_bit if promotion else {}, weighted=weighted):
                 if b in made:

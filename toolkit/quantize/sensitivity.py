@@ -84,8 +84,33 @@ def weights_of(matmul_b: set[str], source_map: dict, folded: dict[str, str]) -> 
     return held
 
 
+@dataclass
+class Calibration:
+    """The float model rebuilt from an artifact (its eager reference), its runner, and the feed of the
+    calibration text: what --recipe measured and --imatrix both run."""
+
+    model: torch.nn.Module
+    runner: object
+    feed: dict
+
+
+def calibration(source) -> Calibration:
+    """The Calibration of `source`'s one graph."""
+    from models.artifacts import artifact_config
+    from models.registry import lm_defaults
+    from runners.eager import eager_runner, model_from_artifact
+
+    if len(source.graphs) != 1:
+        raise ConfigError(f"{source.location} has {len(source.graphs)} graphs; calibration runs one")
+    config = artifact_config(source)
+    model = model_from_artifact(source).eval()
+    runner = eager_runner(source, torch.float32, "eager", model=model)
+    ids = np.asarray([calibration_ids(source, config)], dtype=np.int64)
+    return Calibration(model, runner, {"input_ids": ids, **lm_defaults(runner.input_specs, ids)})
+
+
 def measure(
-    source,
+    calibrated: Calibration,
     weights,
     matmul_b: set[str],
     source_map: dict,
@@ -97,23 +122,12 @@ def measure(
     importance: dict | None = None,
 ):
     """The Promotion for one graph's MatMul weights (`weights`: the prepared graph's GraphWeights), measured on
-    the float model rebuilt from `source`, promoting at most `share` of their elements. importance: {B: [K]},
-    the --imatrix weighting of each 4-bit k-quant."""
-    from models.artifacts import artifact_config
-    from models.registry import lm_defaults
-    from runners.eager import eager_runner, model_from_artifact
-
-    if len(source.graphs) != 1:
-        raise ConfigError(f"--recipe measured: {source.location} has {len(source.graphs)} graphs; it measures one")
-    config = artifact_config(source)
-    model = model_from_artifact(source).eval()
-    runner = eager_runner(source, torch.float32, "eager", model=model)
-    ids = calibration_ids(source, config)
-    feed = np.asarray([ids], dtype=np.int64)
-    feed = {"input_ids": feed, **lm_defaults(runner.input_specs, feed)}
+    the calibrated float model, promoting at most `share` of their elements. importance: {B: [K]}, the --imatrix
+    weighting of each 4-bit k-quant."""
+    model = calibrated.model
 
     def log_probs() -> np.ndarray:
-        logits = runner.run(feed)["logits"][0].astype(np.float64)
+        logits = calibrated.runner.run(calibrated.feed)["logits"][0].astype(np.float64)
         shifted = logits - logits.max(-1, keepdims=True)
         return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 

@@ -17,17 +17,15 @@ import pytest
 import torch
 
 from exporters.kquant import kquant_blocks
-from exporters.onnx_export import export_model
 from exporters.quantize import GraphWeights, prepare_proto
 from models.artifacts import open_artifact
-from models.registry import build_model, get_family
+from tests.toolkit.quantize.planted import export_planted, planted_model
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.quantize.importance import importance
-from toolkit.quantize.sensitivity import calibration_ids, weights_of
+from toolkit.quantize.sensitivity import calibration, calibration_ids, weights_of
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"vocab_size": 96, "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128, "max_positions": 64}
 PLANTED = "block.1.feed_forward.down_proj"
 LOUD = [0, 32, 64, 96]  # the down projection's input channels that carry 100x: one in each block of 32
 LOUDER = 100.0
@@ -35,15 +33,8 @@ LOUDER = 100.0
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    config = get_family("llama").config_from_dict(CONFIG)
-    model = build_model("llama", config, seed=0)
-    with torch.no_grad():
-        parameters = dict(model.named_parameters())
-        parameters["block.1.feed_forward.up_proj.weight"][LOUD, :] *= LOUDER  # [ff, width]: rows are down's K
-        parameters[f"{PLANTED}.weight"][:, LOUD] /= LOUDER  # [width, ff]
-    out = tmp_path_factory.mktemp("importance") / "float"
-    export_model(model, "llama", config, out, variant="serving")
-    return out
+    # up_proj's rows LOUD grow LOUDER-fold and down_proj's columns LOUD shrink as much: its inputs are loud.
+    return export_planted(tmp_path_factory.mktemp("importance") / "float", 1, LOUD, 1 / LOUDER)
 
 
 def quantize(source, target, *flags):
@@ -61,15 +52,10 @@ def test_importance_is_the_mean_square_of_each_weights_input(source):
     weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path)
     prepared, folded = prepare_proto(proto, weights)
     matmul_b = {n.input[1] for n in prepared.graph.node if n.op_type == "MatMul" and len(n.input) > 1}
-    found = importance(artifact, matmul_b, graph.entry.data["weights"], folded)
+    found = importance(calibration(artifact), matmul_b, graph.entry.data["weights"], folded)
     # The second way: forward pre-hooks on the float64 model's Linear modules (the attention projections are
     # called as modules; the feed-forward's are read in ops.swiglu, so its input is rebuilt from the hooks').
-    config = get_family("llama").config_from_dict(CONFIG)
-    model = build_model("llama", config, seed=0).double()
-    with torch.no_grad():
-        parameters = dict(model.named_parameters())
-        parameters["block.1.feed_forward.up_proj.weight"][LOUD, :] *= LOUDER
-        parameters[f"{PLANTED}.weight"][:, LOUD] /= LOUDER
+    config, model = planted_model(1, LOUD, 1 / LOUDER, torch.float64)
     seen = {}
     for name, module in model.named_modules():
         if name.endswith(("q_proj", "o_proj")):

@@ -14,34 +14,23 @@ import json
 import numpy as np
 import onnx
 import pytest
-import torch
 from onnx import numpy_helper
 
-from exporters.onnx_export import export_model
 from exporters.quantize import dequantize_weight, quantized_spec
-from models.registry import build_model, get_family
+from tests.toolkit.quantize.planted import export_planted
 from tests.toolkit.test_cli import assert_user_error, invoke
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"vocab_size": 96, "layers": 2, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128, "max_positions": 64}
 PLANTED = "block.0.feed_forward.down_proj"
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    config = get_family("llama").config_from_dict(CONFIG)
-    model = build_model("llama", config, seed=0)
-    with torch.no_grad():
-        parameters = dict(model.named_parameters())
-        # down_proj's inputs 0, 32, 64, 96 weigh 40x more and up_proj makes them 40x smaller: the same function,
-        # but each of down_proj's blocks (along K) now spans an outlier, so its 4-bit step is coarse. The gate
-        # and up projections' errors reach the output as before.
-        parameters[f"{PLANTED}.weight"][:, ::32] *= 40  # [N, K]
-        parameters["block.0.feed_forward.up_proj.weight"][::32, :] /= 40  # [ff, width]: rows are down's K
-    out = tmp_path_factory.mktemp("sensitivity") / "float"
-    export_model(model, "llama", config, out, variant="serving")
-    return out
+    # down_proj's inputs 0, 32, 64, 96 weigh 40x more and up_proj makes them 40x smaller: the same function,
+    # but each of down_proj's blocks (along K) now spans an outlier, so its 4-bit step is coarse. The gate
+    # and up projections' errors reach the output as before.
+    return export_planted(tmp_path_factory.mktemp("sensitivity") / "float", 0, slice(None, None, 32), 40.0)
 
 
 def quantize(source, target, recipe):
