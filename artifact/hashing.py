@@ -35,8 +35,21 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+DIGEST_CHUNK_BYTES = 4 << 20
+
+
 def array_digest(array) -> tuple:
-    """(dtype, shape, sha256 of the C-order bytes): finds a tensor by its value without holding a second copy."""
-    data = np.ascontiguousarray(array)
-    # hashlib reads a contiguous array's buffer in place (no copy); object arrays have no such buffer.
-    return array.dtype.str, array.shape, hashlib.sha256(data.tobytes() if data.dtype.hasobject else data).digest()
+    """(dtype, shape, sha256 of the C-order bytes): finds a tensor by its value without holding a second copy.
+    A non-contiguous array (a transposed view) is hashed a few rows at a time, so that it is not copied whole."""
+    array = np.asarray(array)
+    digest = hashlib.sha256()
+    if array.dtype.hasobject:  # object arrays have no buffer to read in place
+        digest.update(np.ascontiguousarray(array).tobytes())
+    elif array.flags.c_contiguous or array.ndim == 0:
+        digest.update(np.ascontiguousarray(array))  # hashlib reads a contiguous array's buffer in place
+    else:
+        row = max(array[0].nbytes if len(array) else 1, 1)
+        step = max(DIGEST_CHUNK_BYTES // row, 1)
+        for first in range(0, len(array), step):
+            digest.update(np.ascontiguousarray(array[first : first + step]))
+    return array.dtype.str, array.shape, digest.digest()

@@ -7,8 +7,14 @@ issue 16 targets (at most 1.3x).
 
     .venv/bin/python benchmarks/export_memory.py --layers 20 --json benchmarks/results/2026-12-01-export-memory.json
 
---from PATH exports that checkpoint instead (its weight bytes are the float32 data file's size), --lowering
-picks the lowering, and --repeats N runs the export N times, each in a fresh child, reporting the median.
+--from PATH exports that checkpoint instead (its weight bytes are the data file's size), --lowering and --dtype
+are the export's, and --repeats N runs the export N times, each in a fresh child, reporting the median.
+--baseline DIR (a worktree of another commit) also exports with that commit's code in every round, the order
+alternating, and reports the median and spread of the per-round peak ratios:
+
+    git worktree add /tmp/before e1ed432
+    .venv/bin/python benchmarks/export_memory.py --from /tmp/rs/llama-3.2-1b/hf --dtype bfloat16 --repeats 3 \
+        --baseline /tmp/before --json /tmp/rs/1b-bf16.json
 
     .venv/bin/python benchmarks/gguf_shape.py llama-3.2-1b --type q4_0 --out /tmp/race-1b/llama-3.2-1b-shape.Q4_0.gguf
     .venv/bin/python benchmarks/export_memory.py --from /tmp/race-1b/llama-3.2-1b-shape.Q4_0.gguf --lowering ort \
@@ -47,13 +53,17 @@ def build(directory: Path, layers: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def export_once(toolkit: list[str], source: Path, out: Path, lowering: str) -> tuple[int, float]:
-    """(peak RSS bytes, seconds) of one `toolkit export` in a fresh child (measured by `time -v`'s getrusage)."""
+def export_once(
+    toolkit: list[str], source: Path, out: Path, lowering: str, dtype: str | None = None, code: Path | None = None
+) -> tuple[int, float]:
+    """(peak RSS bytes, seconds) of one `toolkit export` in a fresh child (measured by `time -v`'s getrusage);
+    `code`: a checkout of another commit whose packages the child imports instead of this one's."""
     start = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(code)) if code else None
     done = subprocess.run(
         ["/usr/bin/time", "-f", "%M", *toolkit, "export", "--from", str(source), "--out", str(out), "--no-verify",
-         "--lowering", lowering],
-        check=True, cwd=ROOT, capture_output=True, text=True,
+         "--lowering", lowering, *(("--dtype", dtype) if dtype else ())],
+        check=True, cwd=ROOT, capture_output=True, text=True, env=env,
     )  # fmt: skip
     return int(done.stderr.strip().splitlines()[-1]) * 1024, time.perf_counter() - start
 
@@ -64,6 +74,13 @@ def main() -> None:
     parser.add_argument("--from", dest="source", type=Path, help="export this checkpoint instead of building one")
     parser.add_argument("--lowering", default="functions")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", help="the export's --dtype (default: the toolkit's choice for the checkpoint)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of another commit (git worktree add DIR COMMIT): each round also exports with its code, "
+        "the two in alternating order, and the per-round ratios of the peaks are reported",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     toolkit = [str(Path(sys.executable).parent / "toolkit")]
@@ -72,23 +89,45 @@ def main() -> None:
         source = args.source or Path(tmp) / "hf"
         parameters = None if args.source else build(source, args.layers)
         for k in range(args.repeats):
-            out = Path(tmp) / f"art{k}"
-            load_before = os.getloadavg()
-            peak, seconds = export_once(toolkit, source, out, args.lowering)
-            files = {p.name: p.stat().st_size for p in out.iterdir()}
-            runs.append({"peak_rss_bytes": peak, "export_seconds": seconds, "files": files,
-                         "load_average_before": load_before, "load_average_after": os.getloadavg()})  # fmt: skip
-            shutil.rmtree(out)
-    # float32 weights: the parameters built here, or an export's external data file
-    weights = parameters * 4 if parameters else max(size for name, size in files.items() if name.endswith(".data"))
+            sides = [("ours", None)] + ([("baseline", args.baseline)] if args.baseline else [])
+            run = {}
+            for side, code in sides if k % 2 == 0 else sides[::-1]:
+                out = Path(tmp) / f"art{k}-{side}"
+                load_before = os.getloadavg()
+                peak, seconds = export_once(toolkit, source, out, args.lowering, args.dtype, code)
+                files = {p.name: p.stat().st_size for p in out.iterdir()}
+                run[side] = {"peak_rss_bytes": peak, "export_seconds": seconds, "files": files,
+                             "load_average_before": load_before, "load_average_after": os.getloadavg()}  # fmt: skip
+                shutil.rmtree(out)
+            runs.append({**run["ours"], **({"baseline": run["baseline"]} if args.baseline else {})})
+    # the weights written: the float32 parameters built here, or an export's external data file (the graph file
+    # when they are inside it)
+    data = [size for name, size in files.items() if name.endswith(".data")] or [files["model.onnx"]]
+    weights = parameters * 4 if parameters else max(data)
     peak = statistics.median(r["peak_rss_bytes"] for r in runs)
+    compared = {}
+    if args.baseline:
+        ratios = [r["peak_rss_bytes"] / r["baseline"]["peak_rss_bytes"] for r in runs]
+        base_peak = statistics.median(r["baseline"]["peak_rss_bytes"] for r in runs)
+        compared = {
+            "baseline": str(args.baseline),
+            "baseline_commit": subprocess.run(
+                ["git", "-C", str(args.baseline), "rev-parse", "HEAD"], capture_output=True, text=True
+            ).stdout.strip(),
+            "baseline_peak_rss_bytes": base_peak,
+            "baseline_peak_rss_over_weights": base_peak / weights,
+            "peak_over_baseline_median": statistics.median(ratios),
+            "peak_over_baseline_spread": [min(ratios), max(ratios)],
+        }
     result = {
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "source": str(source) if args.source else f"random Llama, {args.layers} layers",
+        "dtype": args.dtype,
+        "weight_bytes": weights,
+        **compared,
         "lowering": args.lowering,
         "layers": args.layers if not args.source else None,
         "parameters": parameters,
-        "weight_bytes_float32": weights,
         "peak_rss_bytes": peak,
         "peak_rss_over_weights": peak / weights,
         "peak_rss_over_weights_spread": [

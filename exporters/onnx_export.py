@@ -9,10 +9,12 @@ One export path for every family:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import io
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ from artifact.read import write_and_load
 from artifact.write import check_output_dir, is_pending, pack_artifact
 from exporters import lowerings, precision, replicate
 from exporters.functions import OPSET, function_protos
-from models.registry import get_family
+from models.registry import build_model, get_family
 
 VARIANTS = ("stages", "serving")
 SAMPLE_BATCH, SAMPLE_SEQUENCE = 2, 3
@@ -74,7 +76,7 @@ def graph_file(family, graph) -> str:
 
 
 def export_model(
-    model: nn.Module,
+    model: nn.Module | Callable[[], nn.Module],
     family: str,
     config,
     out_dir: str | Path,
@@ -91,6 +93,10 @@ def export_model(
     release_weights: bool = False,
 ) -> Artifact:
     """Export every graph of `model` into `out_dir` (ONNX files + manifest.json); return the loaded artifact.
+
+    model: the module, or a function that reads it (an imported checkpoint's weights). A function is called
+    after the one-block traces, which need only the config: the trace's working memory is then given back
+    before the weights take theirs, so the two do not add up in the export's peak.
 
     source: where the weights came from (an imported checkpoint); extra_files: more files for the
     artifact (the tokenizer), written in the same atomic swap and hashed in the manifest.
@@ -115,22 +121,36 @@ def export_model(
     lowerings.check_supported(family, config, lowering)
     precision.check_supported(dtype, lowering)
     check_output_dir(Path(out_dir))  # before the slow trace
-    # Released weights are converted one tensor at a time as they are written; a traced model is float32, and
-    # so are the buffers (RoPE frequencies) in both cases.
-    if release_weights:
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(torch.float32)
-    model = model.eval() if release_weights else model.to(torch.float32).eval()
+    read = None if isinstance(model, nn.Module) else model
+    if read is None:
+        model = _prepared(model, release_weights)
     fill = replicate.WeightFill(
         dtype=precision.numpy_dtype(dtype) if release_weights else np.dtype(np.float32), release=release_weights
     )
-    protos, entries, used = {}, [], set()
-    for graph in fam.graphs(config):
-        inputs, names, run = graph.variant(variant)
+    graphs = list(fam.graphs(config))
+    # The one-block traces read only the config's buffers (RoPE tables, windows): from a weightless skeleton
+    # (parameters allocated, never written, so never resident) when the weights are not read yet.
+    skeleton = model if read is None else _prepared(build_model(family, config, init=False), release_weights)
+    templates = {}
+    for graph in graphs:
         progress(f"tracing {graph.name} ({getattr(config, 'layers', 1)} blocks)")
-        replicated = _trace_one_block(model, family, config, graph.name, variant, inputs, names, fill)
+        templates[graph.name] = _trace_template(skeleton, family, config, graph.name, variant)
+    if read is not None:
+        del skeleton
+        _large_allocations_mapped()
+        progress("reading the weights")
+        model = _prepared(read(), release_weights)
+        progress(f"read {sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters")
+    protos, entries, used = {}, [], set()
+    for graph in graphs:
+        inputs, names, run = graph.variant(variant)
+        template = templates.pop(graph.name)
+        replicated = None
+        if template is not None:
+            small, proto, sources = template
+            replicated = replicate.replicate_with_weights(
+                model, small, proto, config, [s.name for s in inputs], list(names), weights=fill, sources=sources
+            )
         if replicated is None:
             model = model.to(torch.float32)
             proto = _trace(_NamedOutputs(model, run, names), config, graph.name, inputs, names)
@@ -213,6 +233,11 @@ def export_model(
 
 
 def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.ModelProto:
+    return _trace_program(wrapper, config, graph_name, inputs, names).model_proto
+
+
+def _trace_program(wrapper: nn.Module, config, graph_name: str, inputs, names):
+    """torch.onnx's ONNXProgram of `wrapper`: its onnx_ir model, not yet serialised."""
     rng = np.random.default_rng(0)
     # Traced sizes differ per axis name (and are >= 2) so torch.export keeps each axis symbolic and distinct.
     sizes = {
@@ -265,7 +290,7 @@ def _trace(wrapper: nn.Module, config, graph_name: str, inputs, names) -> onnx.M
             )
     except Exception as exc:  # torch.onnx raises many types; all mean the same to the user
         raise ExportError(f"torch.onnx.export failed for the {graph_name} graph: {_summary(exc)}") from exc
-    return program.model_proto
+    return program
 
 
 @contextlib.contextmanager
@@ -309,19 +334,58 @@ def _check_and_infer(proto: onnx.ModelProto) -> None:
         output.type.CopyFrom(typed.type)
 
 
-def _trace_one_block(model, family: str, config, graph_name: str, variant: str, inputs, names, fill):
-    """(graph, weight map) traced from a copy with one block per kind of layer and replicated
-    (exporters.replicate), or None when the family or the traced graph does not allow it; the caller then traces
-    the whole model."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES = 1 << 20, 4 << 20
+
+
+def _large_allocations_mapped() -> None:
+    """From here on, every allocation of 1 MiB or more is mapped on its own, so freeing it gives the memory back
+    at once, and free heap above 4 MiB goes back too. glibc raises both thresholds as mapped blocks are freed (up
+    to 32 and 64 MiB), and the trace frees many: the weights read and widened next would then come from the heap,
+    where a released weight's memory stays resident beside the widened copies (measured: 0.1 GB more at the end
+    of a 0.5B export). Set after the trace, whose many short-lived blocks keep the heap's reuse. A no-op where
+    there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+
+def _prepared(model: nn.Module, release_weights: bool) -> nn.Module:
+    """`model` in eval mode, float32 unless its weights are released (they are converted one tensor at a time
+    as they are written); a traced model is float32, and so are the buffers (RoPE frequencies) in both cases."""
+    if not release_weights:
+        return model.to(torch.float32).eval()
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(torch.float32)
+    return model.eval()
+
+
+def _trace_template(model, family: str, config, graph_name: str, variant: str):
+    """(small model, traced graph, its initializers' sources): the graph traced from a copy of `model` with one
+    block per kind of layer, for exporters.replicate to repeat; None when the family or the traced graph does
+    not allow it (the caller then traces the whole model). Only `model`'s buffers are read."""
     if not replicate.replicable(family, config):
         return None
     small_config, small = replicate.one_block_model(model, family, config)
     (small_graph,) = [g for g in get_family(family).graphs(small_config) if g.name == graph_name]
     small_inputs, small_names, small_run = small_graph.variant(variant)
-    proto = _trace(_NamedOutputs(small, small_run, small_names), small_config, graph_name, small_inputs, small_names)
-    return replicate.replicate_with_weights(
-        model, small, proto, config, [s.name for s in inputs], list(names), weights=fill
+    program = _trace_program(
+        _NamedOutputs(small, small_run, small_names), small_config, graph_name, small_inputs, small_names
     )
+    # The trace's weights are traced back to the small model's parameters before serialising, then dropped:
+    # serialised, they and the small model would be two more copies of a block beside the full model's weights.
+    sources = replicate.initializer_sources(small, replicate.ir_initializers(program.model))
+    if sources is None:
+        return None
+    replicate.release_traced_weights(program.model, small, sources)
+    proto = program.model_proto
+    del program
+    return small, proto, sources
 
 
 def _lower(model, family: str, config, lowering: str, protos: dict, entries: list[dict], pending=None) -> set[str]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from artifact.errors import ModelFileError
-from models.checkpoints.gguf_import import GGUF_ARCHITECTURES, GGUF_TENSOR_TYPES, import_gguf
+from models.checkpoints.gguf_import import GGUF_ARCHITECTURES, GGUF_TENSOR_TYPES, import_gguf, open_gguf
 from models.checkpoints.gguf_reader import (
     GGUF_MAX_DIMS,
     GGUF_PLAIN_TYPES,
@@ -34,8 +34,8 @@ from models.checkpoints.gguf_reader import (
     GGUFTensor,
     check_gguf_header,
 )
-from models.checkpoints.huggingface import HF_ARCHITECTURES, import_huggingface
-from models.checkpoints.loading import IGNORED_TENSORS, ImportedCheckpoint
+from models.checkpoints.huggingface import HF_ARCHITECTURES, import_huggingface, open_huggingface
+from models.checkpoints.loading import IGNORED_TENSORS, ImportedCheckpoint, OpenedCheckpoint
 from models.checkpoints.safetensors_reader import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER, check_safetensors_header
 
 __all__ = [
@@ -52,11 +52,15 @@ __all__ = [
     "GGUFHeaderReader",
     "GGUFTensor",
     "ImportedCheckpoint",
+    "OpenedCheckpoint",
     "check_gguf_header",
     "check_safetensors_header",
     "import_checkpoint",
     "import_gguf",
     "import_huggingface",
+    "open_checkpoint",
+    "open_gguf",
+    "open_huggingface",
 ]
 
 
@@ -64,13 +68,19 @@ def import_checkpoint(path: str | Path, *, keep_dtype: bool = False) -> Imported
     """The checkpoint's model, config, tokenizer and provenance. keep_dtype: float16/bfloat16 weights of a
     safetensors checkpoint stay in that dtype (the model is then for export_model(release_weights=True), which
     converts one tensor at a time) instead of becoming float32 at once."""
+    return open_checkpoint(path, keep_dtype=keep_dtype).load()
+
+
+def open_checkpoint(path: str | Path, *, keep_dtype: bool = False) -> OpenedCheckpoint:
+    """import_checkpoint without reading the weights yet: everything but the tensors' values is read and checked
+    now, and read_model() reads those (export_model takes it in place of a model, and traces first)."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such checkpoint; give a Hugging Face directory or a .gguf file")
     if path.is_dir():
-        return import_huggingface(path, keep_dtype=keep_dtype)
+        return open_huggingface(path, keep_dtype=keep_dtype)
     if path.suffix.lower() == ".gguf":
-        return import_gguf(path)
+        return open_gguf(path)
     raise ModelFileError(
         f"{path}: not a checkpoint; expected a Hugging Face directory (config.json + *.safetensors) or a .gguf file"
     )

@@ -28,7 +28,7 @@ from artifact.errors import ConfigError, ModelFileError
 from models.checkpoints.config_keys import KeyPolicy, Only, is_int
 from models.checkpoints.gguf_reader import GGUF_PLAIN_TYPES, GGUFTensor, check_gguf_header
 from models.checkpoints.hf_decoders import decoder_config
-from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
+from models.checkpoints.loading import ImportedCheckpoint, OpenedCheckpoint, finish_state, load_model, take_tensor
 from models.llama import LlamaConfig
 from models.tokenizer import TextTokenizer
 
@@ -221,6 +221,12 @@ def _base_key_policy(arch: str, at_head_width, head_width) -> KeyPolicy:
 
 
 def import_gguf(path: Path) -> ImportedCheckpoint:
+    return open_gguf(path).load()
+
+
+def open_gguf(path: Path) -> OpenedCheckpoint:
+    """The file's config, tokenizer and tensor names and shapes, checked; read_model() dequantizes its tensors
+    into the model."""
     header = check_gguf_header(path)
     fields, tensors_by_name = header.fields, header.tensors
     arch = fields.get("general.architecture")
@@ -247,10 +253,13 @@ def import_gguf(path: Path) -> ImportedCheckpoint:
     if arch not in GGUF_HF_TYPES:
         tensors.pop("rope_freqs.weight", None)  # read into the config above
     state = _gguf_names(config, tensors, path, arch)
-    model = load_model("llama", config, state, path, assign=True)  # the dequantized tensors are ours
     tokenizer = _gguf_tokenizer(fields, config.vocab_size, path) if "tokenizer.ggml.tokens" in fields else None
     source = {"format": "gguf", "path": str(path), "architecture": arch}
-    return ImportedCheckpoint("llama", config, model, tokenizer, source)
+
+    def read_model():
+        return load_model("llama", config, state, path, assign=True)  # the dequantized tensors are ours
+
+    return OpenedCheckpoint("llama", config, tokenizer, source, read_model)
 
 
 def _rope_scaling(fields: dict, arch: str, factors) -> dict | None:

@@ -14,8 +14,8 @@ from artifact.errors import ConfigError, ModelFileError
 from models.checkpoints.config_keys import KeyPolicy, Only, refusal
 from models.checkpoints.hf_config import read_hf_config
 from models.checkpoints.hf_decoders import ARCHITECTURES, decoder_config, decoder_key_policy, decoder_names
-from models.checkpoints.loading import ImportedCheckpoint, finish_state, load_model, take_tensor
-from models.checkpoints.safetensors_reader import read_safetensors
+from models.checkpoints.loading import ImportedCheckpoint, OpenedCheckpoint, finish_state, load_model, take_tensor
+from models.checkpoints.safetensors_reader import header_tensors, read_safetensors
 from models.gpt import GPTConfig
 from models.llama import LlamaConfig
 from models.presets_limits import check_footprint
@@ -162,15 +162,24 @@ GPT2_KEYS = KeyPolicy(
 
 
 def import_huggingface(directory: Path, *, keep_dtype: bool = False) -> ImportedCheckpoint:
+    return open_huggingface(directory, keep_dtype=keep_dtype).load()
+
+
+def open_huggingface(directory: Path, *, keep_dtype: bool = False) -> OpenedCheckpoint:
+    """The directory's config, tokenizer and tensor names and shapes, checked; its weights are read by
+    read_model() (float32, or with keep_dtype float16/bfloat16 as stored)."""
     family, config, model_type, expected = hf_model_config(directory)
     stored = {}
-    tensors = read_safetensors(directory, stored, keep_dtype=keep_dtype)
-    state = expected(config, tensors, directory)
-    model = load_model(family, config, state, directory, assign=True)  # the tensors read are ours
+    expected(config, header_tensors(directory, stored), directory)  # names and shapes, before any data is read
     source = {"format": "huggingface", "path": str(directory), "architecture": model_type}
     if stored:  # the dtype most of the weights are stored in: what `toolkit export` keeps by default
         source["dtype"] = max(stored, key=stored.get)
-    return ImportedCheckpoint(family, config, model, TextTokenizer.from_hf_dir(directory), source)
+
+    def read_model():
+        state = expected(config, read_safetensors(directory, keep_dtype=keep_dtype), directory)
+        return load_model(family, config, state, directory, assign=True)  # the tensors read are ours
+
+    return OpenedCheckpoint(family, config, TextTokenizer.from_hf_dir(directory), source, read_model)
 
 
 def hf_model_config(directory: Path):
@@ -287,9 +296,11 @@ def _take_lm_head(state: dict, tensors: dict, c: LlamaConfig | GPTConfig, where)
     shape = (c.vocab_size, c.width)
     if c.tie_embeddings:
         # Some tied checkpoints still store the copy; a copy that differs is a head transformers would drop.
+        # (Its values are compared when they are read: the headers' meta tensors have none.)
         stored = tensors.pop("lm_head.weight", None)
         embedding = state["embed_tokens.weight"]
-        if stored is not None and (stored.shape != embedding.shape or not torch.equal(stored, embedding)):
+        differs = stored is not None and not stored.is_meta and not torch.equal(stored, embedding)
+        if stored is not None and (stored.shape != embedding.shape or differs):
             raise ModelFileError(
                 f"{where}: tie_word_embeddings=true but the stored 'lm_head.weight' differs from the token "
                 "embedding; supported: tied (no lm_head.weight, or a copy of the embedding) or "

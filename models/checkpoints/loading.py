@@ -6,6 +6,7 @@ the same way: the first missing, unexpected, mis-shaped or non-finite tensor is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,22 @@ class ImportedCheckpoint:
     model: torch.nn.Module
     tokenizer: TextTokenizer | None
     source: dict  # format, path, architecture
+
+
+@dataclass
+class OpenedCheckpoint:
+    """A checkpoint whose config, tensor names and shapes, tokenizer and provenance are read and checked, and
+    whose weights are not read yet: read_model() reads them (checked again, and for finite values) into the
+    model. What an export traces needs only the config, so the weights need not be held while it does."""
+
+    family: str
+    config: object
+    tokenizer: TextTokenizer | None
+    source: dict  # format, path, architecture[, dtype: what most weights are stored in]
+    read_model: Callable[[], torch.nn.Module]
+
+    def load(self) -> ImportedCheckpoint:
+        return ImportedCheckpoint(self.family, self.config, self.read_model(), self.tokenizer, self.source)
 
 
 def take_tensor(tensors: dict, name: str, shape: tuple, where) -> torch.Tensor:

@@ -80,6 +80,23 @@ def read_safetensors(
     return tensors
 
 
+def header_tensors(directory: Path, stored: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a directory's safetensors files as a meta tensor of its stored dtype and shape, from the
+    checked headers alone: what a name mapping checks before a byte of data is read. `stored`, when given,
+    receives {dtype name: elements} of the floating tensors, as read_safetensors reports them."""
+    tensors = {}
+    for file in safetensors_files(directory):
+        for name, info in check_safetensors_header(file).items():
+            if name == "__metadata__":
+                continue
+            dtype = TORCH_DTYPES[info["dtype"]]
+            tensors[name] = torch.empty(info["shape"], dtype=dtype, device="meta")
+            if stored is not None and dtype.is_floating_point:
+                kind = str(dtype).removeprefix("torch.")
+                stored[kind] = stored.get(kind, 0) + tensors[name].numel()
+    return tensors
+
+
 READ_CHUNK_BYTES = 64 << 20
 
 

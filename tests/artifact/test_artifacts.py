@@ -7,12 +7,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
 from artifact import (
     MANIFEST_FILE,
     MODEL_FILE,
+    hashing,
     is_artifact_dir,
     load_onnx,
     sha256_bytes,
@@ -61,6 +63,25 @@ def test_sha_helpers_agree_with_hashlib(tmp_path):
     data = b"onnx" * 1000
     (tmp_path / "f").write_bytes(data)
     assert sha256_bytes(data) == sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: a,
+        lambda a: a.T,  # hashed a few rows at a time
+        lambda a: a[:, ::3],
+        lambda a: a.T[::2],
+        lambda a: np.asfortranarray(a),
+        lambda a: a[:0].T,
+        lambda a: np.float32(2.5),
+    ],
+)
+def test_array_digest_is_the_hash_of_the_c_order_bytes(make, monkeypatch):
+    monkeypatch.setattr(hashing, "DIGEST_CHUNK_BYTES", 1000)  # many chunks, the last one short
+    array = make(np.arange(700 * 37, dtype=np.float32).reshape(700, 37))
+    expected = hashlib.sha256(np.ascontiguousarray(array).tobytes()).digest()
+    assert hashing.array_digest(array) == (array.dtype.str, array.shape, expected)
 
 
 def test_intact_artifact_loads(artifact_dir):

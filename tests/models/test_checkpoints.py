@@ -28,7 +28,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from artifact.errors import ModelFileError  # noqa: E402
 from exporters.onnx_export import export_model  # noqa: E402
-from models.checkpoints import import_checkpoint  # noqa: E402
+from models.checkpoints import import_checkpoint, open_checkpoint  # noqa: E402
 from runners.decoding.generate import CachedLM  # noqa: E402
 from runners.registry import create_runner  # noqa: E402
 from toolkit.check.crosscheck import graph_feed  # noqa: E402
@@ -323,13 +323,42 @@ BAD_HF = {
 
 @pytest.mark.parametrize("case", list(BAD_HF))
 def test_bad_hf_checkpoint_is_a_model_file_error(tmp_path, base_llama, case):
+    """Refused by open_checkpoint, from the config and the safetensors headers, before a weight is read (an
+    export traces before it reads them); import_checkpoint opens the same way."""
     config, tensors = json.loads(json.dumps(base_llama[0])), dict(base_llama[1])
     mutate, pattern = BAD_HF[case]
     mutate(config, tensors)
     directory = write_hf(tmp_path / "hf", config, tensors)
     with pytest.raises(ModelFileError, match=pattern) as info:
-        import_checkpoint(directory)
+        open_checkpoint(directory)
     assert str(directory) in str(info.value)
+
+
+@pytest.mark.parametrize("copy", ["equal", "different"])
+def test_a_tied_checkpoint_that_stores_its_head_too(tmp_path, base_llama, copy):
+    """A copy of the embedding under lm_head.weight is accepted; one that differs is a head transformers would
+    drop, refused once the values are read (opening sees only the headers)."""
+    config, tensors = json.loads(json.dumps(base_llama[0])), dict(base_llama[1])
+    config["tie_word_embeddings"] = True
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    if copy == "different":
+        tensors["lm_head.weight"][3, 5] += 1.0
+    directory = write_hf(tmp_path / "hf", config, tensors)
+    opened = open_checkpoint(directory)
+    if copy == "equal":
+        model = opened.read_model()
+        assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+    else:
+        with pytest.raises(ModelFileError, match=r"stored 'lm_head\.weight' differs from the token embedding"):
+            opened.read_model()
+
+
+def test_an_opened_checkpoint_reads_the_model_the_import_reads(tmp_path, base_llama):
+    directory = write_hf(tmp_path / "hf", *base_llama)
+    opened, imported = open_checkpoint(directory), import_checkpoint(directory)
+    ours, theirs = opened.read_model().state_dict(), imported.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert (opened.config, opened.source) == (imported.config, imported.source)
 
 
 def test_rope_scaling_next_to_default_rope_parameters_wins_as_in_transformers(tmp_path, base_llama):

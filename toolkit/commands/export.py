@@ -175,13 +175,14 @@ def command(
     if checkpoint:
         if preset or config_file:
             raise ConfigError("give --from on its own, not with --preset or --config")
-        from models.checkpoints import checkpoint_weights, import_checkpoint
+        from models.checkpoints import checkpoint_weights, open_checkpoint
 
-        check_memory(checkpoint_weights(checkpoint), dtype, lowering)
+        stored_weights = checkpoint_weights(checkpoint)
+        check_memory(stored_weights, dtype, lowering)
         progress(f"importing {checkpoint}")
-        imported = import_checkpoint(checkpoint, keep_dtype=True)  # converted tensor by tensor as it is written
-        parameters = sum(p.numel() for p in imported.model.parameters())
-        progress(f"imported {parameters / 1e6:,.1f}M parameters ({imported.config.layers} layers)")
+        # The weights are read by the export, after it traces: converted tensor by tensor as they are written.
+        imported = open_checkpoint(checkpoint, keep_dtype=True)
+        progress(f"checked its config and tensors ({imported.config.layers} layers)")
         dtype, dtype_note = checkpoint_dtype(imported.source.get("dtype"), dtype)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
         source = recorded_source(imported.source, checkpoint)
@@ -192,13 +193,13 @@ def command(
             )
         skip = None
         if verify is None:
-            skip = why_not_verify(source, sum(p.numel() for p in imported.model.parameters()))
+            skip = why_not_verify(source, stored_weights[0])
         elif verify:
             import_transformers()  # --verify without transformers: say how to get it, before the export
 
         def write(target):
             return export_model(
-                imported.model,
+                imported.read_model,
                 imported.family,
                 imported.config,
                 target,
@@ -209,7 +210,7 @@ def command(
                 dtype=dtype,
                 external_data=external_data,
                 progress=progress,
-                release_weights=True,  # the imported model is written once and not used again
+                release_weights=True,  # the model read is written once and not used again
             )
 
         if verify is False or skip is not None:
