@@ -278,18 +278,26 @@ def test_export_from_verifies_against_the_original(exports, tmp_path):
 
 
 def misreading_import(monkeypatch, delta=1e-2):
-    """Make the import misread one element of layer 1's down projection by `delta`, as a wrong mapping would."""
+    """Make the import misread one element of layer 1's down projection by `delta`, as a wrong mapping would
+    (in the weights `toolkit export` reads from the opened checkpoint)."""
+    import dataclasses
+
     import models.checkpoints as checkpoints
 
-    real = checkpoints.import_checkpoint
+    real = checkpoints.open_checkpoint
 
     def misread(path, **options):
-        imported = real(path, **options)
-        with torch.no_grad():
-            imported.model.block[1].feed_forward.down_proj.weight[3, 5] += delta
-        return imported
+        opened = real(path, **options)
 
-    monkeypatch.setattr(checkpoints, "import_checkpoint", misread)
+        def read_model():
+            model = opened.read_model()
+            with torch.no_grad():
+                model.block[1].feed_forward.down_proj.weight[3, 5] += delta
+            return model
+
+        return dataclasses.replace(opened, read_model=read_model)
+
+    monkeypatch.setattr(checkpoints, "open_checkpoint", misread)
 
 
 def test_export_that_disagrees_with_the_original_fails_and_writes_nothing(exports, tmp_path, monkeypatch):
