@@ -26,6 +26,17 @@ def llc_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def probe_buffer_bytes() -> int:
+    """Eight times the last-level cache (at least 256 MiB), so that a streaming read comes from memory,
+    but at most a quarter of the memory available now: a VM can report its whole socket's cache
+    (480 MiB on a 2-core Xeon guest), and a probe must not push the machine into swap."""
+    from toolkit.check.oracle import available_memory
+
+    wanted = max(8 * llc_bytes(), 256 << 20)
+    available = available_memory()
+    return wanted if available is None else max(min(wanted, available // 4), 64 << 20)
+
+
 def read_bandwidth_probes(threads: int, buffer_bytes: int | None = None, repeats: int = 5) -> dict[str, float]:
     """GB/s of two streaming reads over a buffer >> the LLC, each the best of `repeats`: a torch float32
     sum, and an ONNX Runtime float32 GEMV (1 x K times K x N, the access pattern of a decode step's
@@ -33,7 +44,7 @@ def read_bandwidth_probes(threads: int, buffer_bytes: int | None = None, repeats
     than torch's sum in some runs and slower in others, and a bound a backend beats is no bound."""
     import torch
 
-    buffer_bytes = buffer_bytes or max(8 * llc_bytes(), 256 << 20)
+    buffer_bytes = buffer_bytes or probe_buffer_bytes()
     probes = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -68,24 +79,37 @@ def _ort_gemv(threads: int, buffer_bytes: int):
         import onnxruntime as ort
     except ImportError:
         return None
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     rows = 1024  # K: a weight of shape [K, N], read once per call
     cols = max(buffer_bytes // 4 // rows, 1)
-    weight = numpy_helper.from_array(np.ones((rows, cols), dtype=np.float32), "w")
+    # The weight is bound as an input over numpy's memory (no copy per run), not stored as an
+    # initializer: a probe buffer can exceed protobuf's 2 GiB message limit.
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"])],
         "read_bandwidth",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [rows, cols]),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])],
-        [weight],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feed = {"x": np.ones((1, rows), dtype=np.float32)}
-    return (lambda: session.run(None, feed)), rows * cols * 4
+    x = np.ones((1, rows), dtype=np.float32)
+    weight = np.ones((rows, cols), dtype=np.float32)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(x))
+    binding.bind_ortvalue_input("w", ort.OrtValue.ortvalue_from_numpy(weight))
+    binding.bind_output("y")
+
+    def run(keep_alive=(x, weight)):  # the bound OrtValues borrow these arrays' memory
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0]
+
+    return run, rows * cols * 4
 
 
 def machine_info(threads: int, read_bandwidth_gbs: float, probes: dict | None = None) -> dict:
