@@ -81,6 +81,19 @@ def settled_metrics(server, timeout: float = 30.0) -> dict:
         last = now
 
 
+def decoding_replicas(server, timeout: float = 30.0) -> dict[str, float]:
+    """{replica: rows decoding} from the first /metrics read in which some replica is decoding.
+
+    The clients' requests all ask for the same number of tokens, so a replica's batch finishes together and
+    the replica idles while the next requests cross the proxy; one read can land in that gap on both."""
+    deadline = time.monotonic() + timeout
+    while True:
+        active = by_replica(metrics(server), "toolkit_active_requests")
+        if (active and max(active.values()) > 0) or time.monotonic() > deadline:
+            return active
+        time.sleep(0.05)
+
+
 def descendants(pid: int) -> dict[int, str]:
     """{pid: command line} of every process below `pid` (Ray's GCS, raylet and workers for a local cluster)."""
     children: dict[int, list[int]] = {}
@@ -336,7 +349,7 @@ def test_killing_a_replica_mid_load_loses_no_request_and_serve_replaces_it(ray_s
                 futures = {pool.submit(client, p): p for p in prompts}
                 for _ in range(len(prompts) * 2):  # every client is under way
                     assert answers.acquire(timeout=REQUEST_SECONDS)
-                active = by_replica(metrics(ray_server), "toolkit_active_requests")
+                active = decoding_replicas(ray_server)
                 assert active, "no replica's series in /metrics"
                 victim = max(active, key=active.get)
                 assert active[victim] > 0, f"no replica was decoding when the kill came: {active}"
