@@ -47,6 +47,11 @@ RECIPES = {
     "kquant imatrix, level 4": ["--bits", "4", "--recipe", "kquant", "--imatrix", "--accuracy-level", "4"],
     "mixed imatrix, level 4": ["--bits", "4", "--recipe", "mixed", "--imatrix", "--accuracy-level", "4"],
     "measured imatrix, level 4": ["--bits", "4", "--recipe", "measured", "--imatrix", "--accuracy-level", "4"],
+    "kquant offsets imatrix, level 4": ["--bits", "4", "--recipe", "kquant", "--zero-points", "offsets"],
+    "mixed offsets imatrix, level 4": ["--bits", "4", "--recipe", "mixed", "--zero-points", "offsets"],
+    "kquant integer imatrix, level 4": ["--bits", "4", "--recipe", "kquant", "--zero-points", "integer"],
+    "mixed integer imatrix, level 4": ["--bits", "4", "--recipe", "mixed", "--zero-points", "integer"],
+    "measured integer imatrix, level 4": ["--bits", "4", "--recipe", "measured", "--zero-points", "integer"],
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
     "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--no-imatrix", "--accuracy-level", "4"],
 }
@@ -89,7 +94,9 @@ def main() -> int:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--noise", default="0,0.03,0.08", help="comma-separated noise levels (times each row's RMS)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--recipes", help="semicolon-separated names of RECIPES to run (default: all)")
     args = parser.parse_args()
+    chosen = RECIPES if not args.recipes else {name: RECIPES[name] for name in args.recipes.split(";")}
     import onnxruntime
     import transformers
 
@@ -113,13 +120,14 @@ def main() -> int:
         if not (exported / "manifest.json").exists():
             run([*TOOLKIT, "export", "--from", checkpoint, "--lowering", "ort", "--out", exported])
         level = {"noise_times_row_rms": noise, "recipes": {}}
-        for name, options in RECIPES.items():
+        for name, options in chosen.items():
             out, report = base / name.replace(", ", "-").replace(" ", "-"), base / f"{name.replace(', ', '-')}.json"
             if out.exists():
                 subprocess.run(["rm", "-rf", str(out)], check=True)
             load = os.getloadavg()[0]
             seconds = run([*TOOLKIT, "quantize", exported, *options, "--out", out, "--json", report, "--quiet"])
-            quality = json.loads(report.read_text())["quality"]
+            written = json.loads(report.read_text())
+            quality = written["quality"]
             level["float_perplexity"] = quality["perplexity_float"]
             level["recipes"][name] = {
                 "options": " ".join(options),
@@ -128,6 +136,8 @@ def main() -> int:
                 "perplexity_vs_float": quality["perplexity_quantized"] / quality["perplexity_float"] - 1,
                 "logits_max_abs": quality["logits_max_abs"],
                 "logits_mean_abs": quality["logits_mean_abs"],
+                "zero_points": written.get("zero_points"),
+                "zero_points_chosen": written.get("zero_points_chosen"),
                 "quantize_seconds": round(seconds, 1),
                 "load_average": load,
             }

@@ -1,4 +1,4 @@
-"""`toolkit quantize --recipe kquant`: float weights to MatMulNBits blocks with a searched scale and float minimum.
+"""`toolkit quantize --recipe kquant`: float weights to MatMulNBits blocks with a searched scale and zero point.
 
 Round-to-nearest takes each block's range as it is: scale (max - min) / (2^bits - 1) and an integer zero point,
 so a block's minimum moves to the nearest multiple of its scale. This recipe keeps what llama.cpp's k-quants
@@ -7,6 +7,10 @@ float32 minimum m, chosen by a search over candidate scales, each followed by th
 for the q it rounds to (weights rms(block) + |w|, which favour the large values; the search of llama.cpp's
 make_qkx and of ONNX Runtime's k_quant algorithm). The float minimum is held as MatMulNBits' scale plus per-block
 offsets (exporters/gguf_blocks.py, exporters/quantize.py _with_offsets), the layout the GGUF recipe gives Q4_1.
+
+The offsets cost three more nodes beside each MatMulNBits at every decode step. search_zero_point is the same
+search for MatMulNBits' own integer zero point (round-to-nearest's layout, no offsets); kquant_blocks' "auto"
+runs both and keeps the integer one unless its weighted error is more than AUTO_TOLERANCE times the other's.
 """
 
 from __future__ import annotations
@@ -19,15 +23,29 @@ from exporters.gguf_blocks import NBitsWeight, pack4
 SEARCH_STEPS = 20  # candidate scales: (levels - 1 + delta) / range for delta in -1.0, -0.9, ..., +1.0
 SEARCH_DELTA = 0.1
 SLAB_VALUES = 1 << 22  # values searched at a time (the candidates' arrays are a few times this in float32)
+ZERO_POINT_MODES = ("auto", "integer", "offsets")
+# "auto" keeps a weight's integer zero points unless their weighted squared error is this many times the float
+# minimums'. On heavy-tailed weights the ratio is about 1.2 (tests/exporters/test_kquant.py's fixture); a weight
+# whose loud input channels meet small weights (what the importance matrix protects) is far above it.
+AUTO_TOLERANCE = 1.5
 
 
 def kquant_blocks(
-    weight: np.ndarray, bits: int = 4, block_size: int = 32, importance: np.ndarray | None = None
+    weight: np.ndarray,
+    bits: int = 4,
+    block_size: int = 32,
+    importance: np.ndarray | None = None,
+    zero_points: str = "offsets",
 ) -> NBitsWeight:
-    """The MatMulNBits weight (with offsets) of float `weight` [K, N] (a MatMul's B). A K that does not fill its
-    last block is padded, as MatMulNBits pads it: the padding repeats the block's smallest value (so the block's
-    range is its own) with no weight in the search, and its codes are 0. importance: [K], how much each input
-    channel carries (toolkit/quantize/importance.py), which weights the search's least squares."""
+    """The MatMulNBits weight of float `weight` [K, N] (a MatMul's B). A K that does not fill its last block is
+    padded, as MatMulNBits pads it: the padding repeats the block's smallest value (so the block's range is its
+    own) with no weight in the search, and its codes are 0. importance: [K], how much each input channel carries
+    (toolkit/quantize/importance.py), which weights the search's least squares. zero_points: "offsets" searches a
+    float minimum per block (`search`; held as offsets beside the MatMulNBits), "integer" MatMulNBits' own uint8
+    zero point (`search_zero_point`: round-to-nearest's layout, and its decode speed), "auto" both, keeping integer
+    zero points unless their weighted squared error is more than AUTO_TOLERANCE times the float minimums'."""
+    if zero_points not in ZERO_POINT_MODES:
+        raise ValueError(f"zero_points: expected one of {', '.join(ZERO_POINT_MODES)}, got {zero_points!r}")
     k, n = weight.shape
     if importance is not None and importance.shape != (k,):
         raise ValueError(f"importance: expected shape ({k},), got {importance.shape}")
@@ -41,26 +59,52 @@ def kquant_blocks(
         k_real, k = k, k + pad
         if importance is not None:
             importance = np.concatenate([importance, np.zeros(pad, dtype=importance.dtype)])
-    q = np.empty((n, k), dtype=np.uint8)
-    scales = np.empty((n, k // block_size), dtype=np.float32)
-    minimums = np.empty_like(scales)
+    modes = ("integer", "offsets") if zero_points == "auto" else (zero_points,)
+    # Per mode: codes [N, K], scales [N, blocks], minimums or integer zero points [N, blocks], weighted error.
+    made = {mode: [np.empty((n, k), np.uint8), np.empty((n, k // block_size), np.float32), None, 0.0] for mode in modes}
+    for parts in made.values():
+        parts[2] = np.empty_like(parts[1])
     slab = max(1, SLAB_VALUES // k)
     for start in range(0, n, slab):
         chunk = rows[start : start + slab]
+        blocks = chunk.reshape(-1, block_size)
         mask = None if valid is None else np.broadcast_to(valid, chunk.shape).reshape(-1, block_size)
         held = None if importance is None else np.broadcast_to(importance, chunk.shape).reshape(-1, block_size)
-        found = search(chunk.reshape(-1, block_size), (1 << bits) - 1, mask, held)
         stop = start + len(chunk)
-        q[start:stop] = found[0].reshape(stop - start, k)
-        scales[start:stop] = found[1].reshape(stop - start, -1)
-        minimums[start:stop] = found[2].reshape(stop - start, -1)
-    centre = 1 << (bits - 1)  # (u - centre) s + (m + centre s): the integer part spread like the weights
-    offsets = minimums + np.float32(centre) * scales
+        for mode, parts in made.items():
+            found = (search_zero_point if mode == "integer" else search)(blocks, (1 << bits) - 1, mask, held)
+            parts[0][start:stop] = found[0].reshape(stop - start, k)
+            parts[1][start:stop] = found[1].reshape(stop - start, -1)
+            parts[2][start:stop] = found[2].reshape(stop - start, -1)
+            if len(made) > 1:
+                parts[3] += _weighted_error(blocks, mask, held, mode, found)
+    mode = modes[0]
+    if len(modes) > 1 and made["integer"][3] > AUTO_TOLERANCE * made["offsets"][3]:
+        mode = "offsets"
+    q, scales, minimums, _ = made.pop(mode)
+    del made
+    if valid is not None:
+        q[:, k_real:] = 0
     packed = q.reshape(n, -1, block_size)
     if bits == 4:
         packed = pack4(packed)
     partial = None if valid is None else k_real
+    if mode == "integer":
+        zeros = minimums.astype(np.uint8)
+        if bits == 4:  # two per byte, low nibble first; an odd count of blocks leaves the last high nibble 0
+            zeros = pack4(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
+        return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size, partial)
+    centre = 1 << (bits - 1)  # (u - centre) s + (m + centre s): the integer part spread like the weights
+    offsets = minimums + np.float32(centre) * scales
     return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size, partial)
+
+
+def _weighted_error(blocks, valid, importance, mode: str, found) -> float:
+    """The search's objective summed over `blocks` [B, L] for what a search `found` (q, s, and m or z)."""
+    x, w = _weighted(blocks, valid, importance)
+    q, s, third = (torch.from_numpy(np.ascontiguousarray(a)).to(torch.float32) for a in found)
+    values = s[:, None] * (q - third[:, None]) if mode == "integer" else s[:, None] * q + third[:, None]
+    return float((w * (values - x) ** 2).sum(dtype=torch.float64))
 
 
 def search(
@@ -74,22 +118,11 @@ def search(
 
     Computed with torch, whose elementwise kernels use every intra-op thread (numpy's use one): the search
     dominates a k-quant recipe's time, about 2x faster here on 2 cores."""
-    x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    x, w = _weighted(x, valid, importance)
     low, high = x.amin(dim=1), x.amax(dim=1)
     span = high - low
     flat = span == 0
     span = torch.where(flat, 1.0, span)
-    counted = None if valid is None else torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)
-    if counted is None:
-        square = (x * x).mean(dim=1, keepdim=True)
-    else:
-        square = (x * x * counted).sum(dim=1, keepdim=True) / counted.sum(dim=1, keepdim=True)
-    if importance is None:
-        w = square.sqrt() + x.abs()
-    else:
-        w = torch.from_numpy(np.ascontiguousarray(importance, dtype=np.float32)) * (2 * square + x * x).sqrt()
-    if counted is not None:
-        w = w * counted
     from_low = x - low[:, None]
 
     def rounded(levels):  # q for the candidate scale span / levels, from the block's minimum
@@ -119,3 +152,62 @@ def search(
     best_s, best_m = torch.where(flat, 0.0, best_s), torch.where(flat, low, best_m)
     best_q = torch.where(flat[:, None], 0.0, best_q)
     return best_q.to(torch.uint8).numpy(), best_s.numpy(), best_m.numpy()
+
+
+def search_zero_point(
+    x: np.ndarray, top: int, valid: np.ndarray | None = None, importance: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [B, L] uint8 in 0..top, s [B] float32, z [B] uint8 in 0..top) minimising sum(w (s (q - z) - x)^2) per
+    block, with w as in `search`: the same search over candidate scales for MatMulNBits' integer zero points.
+
+    An integer zero point puts 0 on the grid, so each candidate spans the block's range widened to hold 0 (as
+    round-to-nearest does); z is the nearest integer to where 0 falls, and with z fixed each candidate's s is
+    refitted by weighted least squares twice, rounding q again after each fit. The first candidate is the
+    min-max grid itself, so no block ends worse than round-to-nearest's s and z by the weighted error."""
+    x, w = _weighted(x, valid, importance)
+    low, high = x.amin(dim=1).clamp(max=0), x.amax(dim=1).clamp(min=0)
+    span = high - low
+    flat = span == 0  # every value 0
+    span = torch.where(flat, 1.0, span)
+
+    def fitted(s):  # (q, s, z, weighted error) for a starting scale s, after refitting s with z fixed
+        z = torch.clamp(torch.round(-low / s), 0, top)
+        for _ in range(2):
+            q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
+            d = q - z[:, None]
+            num, den = (w * d * x).sum(dim=1), (w * d * d).sum(dim=1)
+            s = torch.where((den > 0) & (num > 0), num / torch.where(den > 0, den, 1.0), s)
+        q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
+        return q, s, z, (w * (s[:, None] * (q - z[:, None]) - x) ** 2).sum(dim=1)
+
+    z = torch.clamp(torch.round(-low / (span / top)), 0, top)  # round-to-nearest: the min-max grid as it is
+    s = span / top
+    best_q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
+    best_s, best_z = s, z
+    best = (w * (s[:, None] * (best_q - z[:, None]) - x) ** 2).sum(dim=1)
+    for levels in [float(top)] + [top - 1 + SEARCH_DELTA * step for step in range(SEARCH_STEPS + 1)]:
+        q, s, z, error = fitted(span / levels)
+        better = error < best
+        best = torch.where(better, error, best)
+        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+        best_q = torch.where(better[:, None], q, best_q)
+    best_s = torch.where(flat, 0.0, best_s)
+    best_q, best_z = torch.where(flat[:, None], 0.0, best_q), torch.where(flat, 0.0, best_z)
+    return best_q.to(torch.uint8).numpy(), best_s.numpy(), best_z.to(torch.uint8).numpy()
+
+
+def _weighted(x: np.ndarray, valid: np.ndarray | None, importance: np.ndarray | None):
+    """(x, w) as torch float32 [B, L]: the search's weight of each value (see `search`), 0 where not valid."""
+    x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    counted = None if valid is None else torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)
+    if counted is None:
+        square = (x * x).mean(dim=1, keepdim=True)
+    else:
+        square = (x * x * counted).sum(dim=1, keepdim=True) / counted.sum(dim=1, keepdim=True)
+    if importance is None:
+        w = square.sqrt() + x.abs()
+    else:
+        w = torch.from_numpy(np.ascontiguousarray(importance, dtype=np.float32)) * (2 * square + x * x).sqrt()
+    if counted is not None:
+        w = w * counted
+    return x, w

@@ -622,8 +622,9 @@ def _step(spec: dict, scales: np.ndarray) -> np.ndarray:
     return np.repeat(scales.reshape(n, -1).astype(np.float32).T, block, axis=0)[:k]
 
 
-def quantizer_version(algorithm: str, imatrix: bool = False) -> dict:
-    """The manifest's quantizer entry; imatrix: the k-quant search weighted by input channels' mean squares."""
+def quantizer_version(algorithm: str, imatrix: bool = False, zero_points: str | None = None) -> dict:
+    """The manifest's quantizer entry; imatrix: the k-quant search weighted by input channels' mean squares;
+    zero_points: the k-quants' block minimums, "integer", "offsets" (float) or "auto" (per weight)."""
     import onnxruntime
 
     described = {
@@ -635,6 +636,10 @@ def quantizer_version(algorithm: str, imatrix: bool = False) -> dict:
     }
     ours = algorithm in ("kquant", "mixed", "measured")
     weighting = "; the search weighted by each input channel's mean square on a calibration text" if imatrix else ""
+    if zero_points == "integer":
+        weighting += "; integer zero points searched in place of float minimums (no offsets)"
+    elif zero_points == "auto":
+        weighting += "; per weight, integer zero points unless their weighted error is far above float minimums'"
     return {
         "tool": "exporters.kquant" if ours else "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
         "algorithm": described[algorithm] + weighting,

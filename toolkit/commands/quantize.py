@@ -6,10 +6,18 @@ import json
 
 import click
 
+from exporters.kquant import AUTO_TOLERANCE
 from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
 from toolkit.progress import Progress
-from toolkit.quantize.pipeline import DEFAULT_IMATRIX, GREEDY_TOKENS, RECIPES, quantize_artifact
+from toolkit.quantize.pipeline import (
+    DEFAULT_IMATRIX,
+    DEFAULT_ZERO_POINTS,
+    GREEDY_TOKENS,
+    RECIPES,
+    ZERO_POINTS,
+    quantize_artifact,
+)
 from toolkit.quantize.sensitivity import PROMOTED_SHARE
 
 
@@ -27,7 +35,7 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     help="gguf: take each MatMul weight's blocks from the GGUF the artifact was exported from, as they are "
     "bit for bit (Q4_0/Q4_1/Q4_K 4-bit, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 8-bit, float minimums as per-block "
     "offsets; F16/F32 kept float); the file must be where the manifest says, unchanged. kquant: float weights to a "
-    "searched scale and float minimum per block (plus per-block offsets); mixed: kquant with the vocabulary "
+    "searched scale and zero point per block (--zero-points); mixed: kquant with the vocabulary "
     "projection at 8 bits; measured: mixed with the weights that move the model most at 4 bits, each measured "
     "alone on a calibration text, at 8 bits too (up to 15% of the weights). rtn, hqq: re-round the float "
     "weights (as --algorithm). Default: gguf for an artifact exported from a GGUF whose blocks it can take "
@@ -67,6 +75,14 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     f"matrix). [default: {'on' if DEFAULT_IMATRIX else 'off'}]",
 )
 @click.option(
+    "--zero-points",
+    type=click.Choice(ZERO_POINTS),
+    help="--recipe kquant|mixed|measured: each block's minimum as MatMulNBits' integer zero point (integer: "
+    "round-to-nearest's layout and decode speed), as a float minimum added by offsets beside each MatMulNBits "
+    "(offsets: slower to decode), or per weight the integer one unless its weighted error is more than "
+    f"{AUTO_TOLERANCE}x the float one's (auto). [default: {DEFAULT_ZERO_POINTS}]",
+)
+@click.option(
     "--greedy-tokens",
     type=click.IntRange(min=1),
     default=GREEDY_TOKENS,
@@ -85,6 +101,7 @@ def command(
     accuracy_level,
     promote_share,
     imatrix,
+    zero_points,
     greedy_tokens,
     out_dir,
     json_file,
@@ -101,6 +118,7 @@ def command(
         recipe=recipe,
         promote_share=promote_share,
         imatrix=imatrix,
+        zero_points=zero_points,
         greedy_tokens=greedy_tokens,
         progress=Progress("quantize", quiet),
     )
@@ -122,6 +140,12 @@ def command(
             f"accuracy level {accuracy_level}) -> {out_dir}"
         )
         slow = made["bits"] == 8 or result.recipe in ("mixed", "measured", "hqq")  # the 8-bit head
+        chosen = made.get("zero_points_chosen")
+        if chosen:
+            click.echo(
+                f"zero points ({made['zero_points']}): {chosen['integer']} weights with integer zero points, "
+                f"{chosen['offsets']} with float minimums (offsets)"
+            )
     promotion = made.get("promotion")
     if promotion:
         first = ", ".join(promotion["promoted"][:3]) + (", ..." if len(promotion["promoted"]) > 3 else "")

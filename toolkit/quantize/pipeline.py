@@ -84,6 +84,16 @@ DEFAULT_RECIPES = {4: "mixed", 8: "rtn"}
 # off the 4-bit grid (noise 0.08, benchmarks/recipes_offgrid.py) it cuts mixed's perplexity rise from 18 % to
 # 4 % and on the grid changes nothing measurable, for one forward pass of the float model.
 DEFAULT_IMATRIX = True
+# The k-quant recipes' block minimum (exporters/kquant.py kquant_blocks): "integer" is MatMulNBits' own uint8 zero
+# point, round-to-nearest's layout; "offsets" a float minimum, held as a block sum, a [blocks, N] MatMul and an Add
+# beside each MatMulNBits; "auto" searches both and keeps integer zero points unless their importance-weighted
+# error exceeds the float minimums' by AUTO_TOLERANCE: a weight whose loud input channels read small weights (only
+# a float minimum can place a level on them), or a GGUF export's weights on its blocks' grid of float minimums
+# (Q4_1, Q4_K), which only offsets recover. Off a 4-bit grid (SmolLM2 at noise 0.08, benchmarks/recipes_offgrid.py)
+# integer zero points keep perplexity as well as offsets, and mixed with them decodes 1.30x faster on SmolLM2 and
+# 1.22x at 1B (benchmarks/int4_vs_llamacpp.py).
+ZERO_POINTS = ("auto", "integer", "offsets")
+DEFAULT_ZERO_POINTS = "auto"
 # int8 activations: ONNX Runtime's fast MatMulNBits kernels (level 0 has none for 8-bit or float-zero-point
 # weights) and what llama.cpp computes with quantized weights. Level 0 stays a flag: toolkit check holds its
 # graph to the dequantized weights exactly.
@@ -111,6 +121,7 @@ def quantize_artifact(
     q4_1: str = "offsets",
     promote_share: float | None = None,
     imatrix: bool | None = None,
+    zero_points: str | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     progress=None,
 ) -> QuantizeResult:
@@ -126,6 +137,9 @@ def quantize_artifact(
     (exporters/gguf_blocks.Q4_1_LAYOUTS). promote_share: the measured recipe's largest share of the MatMul
     weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
+    zero_points: the k-quant recipes' block minimum, "integer" (MatMulNBits' uint8 zero points), "offsets" (a
+    float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment); None is
+    DEFAULT_ZERO_POINTS.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
     named = recipe is not None or algorithm is not None
@@ -143,6 +157,12 @@ def quantize_artifact(
     if imatrix is not None and recipe not in KQUANT_RECIPES:
         raise ConfigError(
             f"--imatrix applies to --recipe {', '.join(KQUANT_RECIPES)}, not {recipe or 'the default recipe'}"
+        )
+    if zero_points is not None and zero_points not in ZERO_POINTS:
+        raise ConfigError(f"--zero-points: expected one of {', '.join(ZERO_POINTS)}, got {zero_points!r}")
+    if zero_points is not None and recipe not in KQUANT_RECIPES:
+        raise ConfigError(
+            f"--zero-points applies to --recipe {', '.join(KQUANT_RECIPES)}, not {recipe or 'the default recipe'}"
         )
     if promote_share is not None and not 0 < promote_share <= 1:
         raise ConfigError(f"--promote-share: expected a share in (0, 1], got {promote_share!r}")
@@ -172,6 +192,7 @@ def quantize_artifact(
         raise ConfigError(f"--bits is required{why}")
     recipe = "gguf" if gguf is not None else recipe or DEFAULT_RECIPES[bits]
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
+    zero_points = (zero_points or DEFAULT_ZERO_POINTS) if recipe in KQUANT_RECIPES else None
     algorithm = "rtn" if recipe == "gguf" else recipe
     block_size = block_size or 32
     if accuracy_level is None:
@@ -181,6 +202,7 @@ def quantize_artifact(
     files: dict[str, object] = {}
     pending = PendingWeights()  # the quantized graphs' weights, held beside them until written
     total, untied, promotion = 0, False, None
+    chosen = {"integer": 0, "offsets": 0}  # the k-quant weights' zero points, as made
     for k, (entry, graph) in enumerate(zip(manifest["graphs"], source.graphs, strict=False)):
         progress(f"reading graph {k + 1} of {len(source.graphs)} ({graph.model_path.name})")
         proto = validate_onnx(graph.model_path)  # without its external data: weights are read one at a time
@@ -220,15 +242,19 @@ def quantize_artifact(
                     block_size=block_size,
                     share=share,
                     importance=weighted,
+                    zero_points=zero_points,
                 )
                 wide |= promotion.promoted
             del calibrated
 
             def blocks(b, weights=weights, wide=wide, made=promotion.four_bit if promotion else {}, weighted=weighted):
                 if b in made:
-                    return made.pop(b)
-                width = HEAD_BITS if b in wide else bits
-                return kquant_blocks(weights.array(b), width, block_size, weighted.get(b))
+                    weight = made.pop(b)
+                else:
+                    width = HEAD_BITS if b in wide else bits
+                    weight = kquant_blocks(weights.array(b), width, block_size, weighted.get(b), zero_points)
+                chosen["integer" if weight.offsets is None else "offsets"] += 1
+                return weight
 
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({recipe}, k-quant search)")
         if blocks is not None:
@@ -272,9 +298,10 @@ def quantize_artifact(
         "algorithm": recipe,
         "accuracy_level": accuracy_level,
         "quantized_matmuls": total,
-        "quantizer": gguf.version() if gguf is not None else quantizer_version(algorithm, imatrix),
+        "quantizer": gguf.version() if gguf is not None else quantizer_version(algorithm, imatrix, zero_points),
         "source": {"directory": str(source_dir.resolve()), "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
         "imatrix": imatrix,  # the k-quant search weighted by each input channel's mean square
+        "zero_points": zero_points,  # the k-quants' block minimums: integer zero points, float offsets or auto
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,
     }
@@ -282,6 +309,8 @@ def quantize_artifact(
         manifest["quantization"]["gguf"] = gguf.report()
     if promotion is not None:
         manifest["quantization"]["promotion"] = promotion.report()
+    if zero_points is not None:
+        manifest["quantization"]["zero_points_chosen"] = chosen  # {"integer": weights, "offsets": weights}
     extra = {name: (source_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
 
     # The quantized artifact is written once, to a scratch directory beside out_dir, and its graphs and weights

@@ -120,10 +120,11 @@ def measure(
     block_size: int,
     share: float = PROMOTED_SHARE,
     importance: dict | None = None,
+    zero_points: str = "offsets",
 ):
     """The Promotion for one graph's MatMul weights (`weights`: the prepared graph's GraphWeights), measured on
     the calibrated float model, promoting at most `share` of their elements. importance: {B: [K]}, the --imatrix
-    weighting of each 4-bit k-quant."""
+    weighting of each 4-bit k-quant. zero_points: the k-quants' block minimums (kquant_blocks)."""
     model = calibrated.model
 
     def log_probs() -> np.ndarray:
@@ -138,7 +139,7 @@ def measure(
     with torch.no_grad():
         for b, entries in held.items():
             stored = weights.array(b)
-            four_bit[b] = quantized = kquant_blocks(stored, bits, block_size, (importance or {}).get(b))
+            four_bit[b] = quantized = kquant_blocks(stored, bits, block_size, (importance or {}).get(b), zero_points)
             dequantized = quantized.dequantize().astype(np.float32, copy=False)
             kept = [(parameters[e["name"]], parameters[e["name"]].detach().clone()) for e in entries]
             for entry, (parameter, _) in zip(entries, kept, strict=True):

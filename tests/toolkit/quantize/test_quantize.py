@@ -282,15 +282,14 @@ def test_quantized_artifact_generates_and_checks_against_its_dequantized_referen
 
 
 def test_the_kquant_recipe_is_closer_to_float_than_round_to_nearest(source, quantized, tmp_path):
-    """--recipe kquant: 4-bit MatMulNBits plus per-block offsets (the searched float minimums) whose values are the
+    """--recipe kquant --zero-points offsets: 4-bit MatMulNBits plus per-block offsets (the searched float minimums) whose values are the
     spec oracle's plus the graph's offsets; its logits are nearer the float model's than rtn's, and the artifact
     checks against its dequantized reference with cached decode steps."""
     from tests.toolkit.quantize.test_gguf_recipe import graph_weight
 
     target = tmp_path / "kquant"
-    result = invoke(
-        "quantize", source.directory, "--recipe", "kquant", "--bits", 4, "--accuracy-level", 0, "--out", target
-    )
+    options = ("--recipe", "kquant", "--zero-points", "offsets", "--bits", 4, "--accuracy-level", 0)
+    result = invoke("quantize", source.directory, *options, "--out", target)
     assert result.exit_code == 0 and "(block 32, kquant," in result.stdout, result.output
     artifact = open_artifact(target)
     assert artifact.manifest.quantization["quantizer"]["tool"] == "exporters.kquant"
@@ -336,6 +335,55 @@ def test_the_mixed_recipe_keeps_the_head_at_8_bits(source, tmp_path):
     assert artifact.manifest.quantization["recipe"] == "mixed"
 
 
+def test_integer_zero_points_leave_no_offsets_and_beat_round_to_nearest(source, quantized, tmp_path):
+    """--recipe mixed --zero-points integer: every MatMulNBits has uint8 zero points and no offsets beside it (the
+    graph has no MatMul by a constant, which offsets would be), the head is 8-bit, the values are the spec oracle's; the logits are
+    nearer the float model's than rtn's, and the artifact checks against its dequantized reference."""
+    from tests.toolkit.quantize.test_gguf_recipe import graph_weight
+
+    target = tmp_path / "integer"
+    options = ("--recipe", "mixed", "--zero-points", "integer", "--accuracy-level", 0, "--greedy-tokens", 2)
+    result = invoke("quantize", source.directory, "--bits", 4, *options, "--out", target)
+    assert result.exit_code == 0, result.output
+    artifact = open_artifact(target)
+    quantization = artifact.manifest.quantization
+    assert quantization["zero_points"] == "integer" and "integer zero points" in quantization["quantizer"]["algorithm"]
+    proto = onnx.load(str(artifact.model_path))
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert nodes and all(len(n.input) == 4 and n.input[3] for n in nodes)
+    assert not [i.name for i in proto.graph.initializer if i.name.endswith("_offsets")]
+    constants = {i.name for i in proto.graph.initializer}
+    assert not [n.name for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in constants]
+    floats = float_matrices(source)
+    for node in nodes:
+        w_hat = graph_weight(proto, node)
+        near = min(floats.values(), key=lambda f: np.inf if f.shape != w_hat.shape else np.abs(f - w_hat).max())
+        # The search may clip a block's extreme value to fit the rest better: within 15 % of the largest weight.
+        assert np.abs(near - w_hat).max() < 0.15 * np.abs(near).max()
+    float_logits = ort_logits(source)
+    error = {
+        "integer": np.abs(ort_logits(artifact) - float_logits).mean(),
+        "rtn": np.abs(ort_logits(quantized[4][0]) - float_logits).mean(),
+    }
+    assert error["integer"] < error["rtn"], error
+    report = cross_check(artifact, ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
+    assert report.passed, [(b.name, b.first_divergence) for b in report.backends]
+    refused = invoke(
+        "quantize",
+        source.directory,
+        "--bits",
+        4,
+        "--recipe",
+        "rtn",
+        "--zero-points",
+        "integer",
+        "--out",
+        tmp_path / "refused",
+    )
+    assert refused.exit_code == 2 and "--zero-points applies to --recipe kquant, mixed, measured" in refused.output
+    assert not (tmp_path / "refused").exists()
+
+
 def test_float_weights_default_to_mixed_at_4_bits_and_rtn_at_8_with_int8_activations(source, tmp_path):
     """Without --recipe and --accuracy-level: 4 bits is mixed (the 8-bit head beside 4-bit blocks), 8 bits is rtn,
     both at accuracy level 4; the 4-bit default's logits are nearer the float model's than rtn's at that level."""
@@ -359,17 +407,26 @@ def test_float_weights_default_to_mixed_at_4_bits_and_rtn_at_8_with_int8_activat
     assert error["default-4"] < error["rtn-4"], error
 
 
-def test_widths_that_do_not_fill_a_block_quantize_and_check_with_the_default_recipe(tmp_path):
-    """Width 48 and FFN 80: every K leaves its last block of 32 partial. The default (mixed: offsets, whose block
-    sums then come from a 0/1 matrix) writes a graph that computes its dequantized weights: check passes at level
-    0 with cached decode steps."""
+@pytest.mark.parametrize("zero_points", ["auto", "integer", "offsets"])
+def test_widths_that_do_not_fill_a_block_quantize_and_check_with_the_default_recipe(tmp_path, zero_points):
+    """Width 48 and FFN 80: every K leaves its last block of 32 partial. The default recipe (mixed) with its
+    default zero points (auto), integer ones and offsets (whose block sums then come from a 0/1 matrix) writes a
+    graph that computes its dequantized weights: check passes at level 0 with cached decode steps."""
     config = {"vocab_size": 96, "layers": 1, "width": 48, "heads": 4, "kv_heads": 2, "ff_width": 80}
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"family": "llama", "seed": 0, "config": config}))
     assert invoke("export", "--config", path, "--variant", "serving", "--out", tmp_path / "float").exit_code == 0
     options = ("--bits", 4, "--accuracy-level", 0, "--out", tmp_path / "q", "--greedy-tokens", 2)
-    result = invoke("quantize", tmp_path / "float", *options)
+    chosen = () if zero_points == "auto" else ("--recipe", "mixed", "--zero-points", zero_points)
+    result = invoke("quantize", tmp_path / "float", *options, *chosen)
     assert result.exit_code == 0 and "(block 32, mixed," in result.stdout, result.output
+    quantization = open_artifact(tmp_path / "q").manifest.quantization
+    assert quantization["zero_points"] == zero_points
+    made = quantization["zero_points_chosen"]
+    assert sum(made.values()) == quantization["quantized_matmuls"]
+    if zero_points != "auto":
+        assert made[zero_points] == quantization["quantized_matmuls"]
+    assert f"zero points ({zero_points}): {made['integer']} weights with integer zero points" in result.stdout
     check = invoke("check", tmp_path / "q", "--backends", "eager,ort-cpu,onnx-reference", "--decode-steps", 2)
     assert check.exit_code == 0 and "RESULT: PASS" in check.output, check.output
 
