@@ -71,13 +71,14 @@ def kquant_blocks(
         mask = None if valid is None else np.broadcast_to(valid, chunk.shape).reshape(-1, block_size)
         held = None if importance is None else np.broadcast_to(importance, chunk.shape).reshape(-1, block_size)
         stop = start + len(chunk)
+        weighted = _weighted(blocks, mask, held) if len(made) > 1 else None  # once for both errors
         for mode, parts in made.items():
             found = (search_zero_point if mode == "integer" else search)(blocks, (1 << bits) - 1, mask, held)
             parts[0][start:stop] = found[0].reshape(stop - start, k)
             parts[1][start:stop] = found[1].reshape(stop - start, -1)
             parts[2][start:stop] = found[2].reshape(stop - start, -1)
-            if len(made) > 1:
-                parts[3] += _weighted_error(blocks, mask, held, mode, found)
+            if weighted is not None:
+                parts[3] += _weighted_error(*weighted, mode, found)
     mode = modes[0]
     if len(modes) > 1 and made["integer"][3] > AUTO_TOLERANCE * made["offsets"][3]:
         mode = "offsets"
@@ -99,9 +100,9 @@ def kquant_blocks(
     return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size, partial)
 
 
-def _weighted_error(blocks, valid, importance, mode: str, found) -> float:
-    """The search's objective summed over `blocks` [B, L] for what a search `found` (q, s, and m or z)."""
-    x, w = _weighted(blocks, valid, importance)
+def _weighted_error(x: torch.Tensor, w: torch.Tensor, mode: str, found) -> float:
+    """The search's objective summed over blocks x [B, L] with weights w (`_weighted`) for what a search `found`
+    (q, s, and m or z)."""
     q, s, third = (torch.from_numpy(np.ascontiguousarray(a)).to(torch.float32) for a in found)
     values = s[:, None] * (q - third[:, None]) if mode == "integer" else s[:, None] * q + third[:, None]
     return float((w * (values - x) ** 2).sum(dtype=torch.float64))
@@ -170,23 +171,23 @@ def search_zero_point(
     flat = span == 0  # every value 0
     span = torch.where(flat, 1.0, span)
 
+    def codes(s, z):  # q for scale s and zero point z, and its weighted error
+        q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
+        return q, (w * (s[:, None] * (q - z[:, None]) - x) ** 2).sum(dim=1)
+
     def fitted(s):  # (q, s, z, weighted error) for a starting scale s, after refitting s with z fixed
         z = torch.clamp(torch.round(-low / s), 0, top)
         for _ in range(2):
-            q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
-            d = q - z[:, None]
+            d = codes(s, z)[0] - z[:, None]
             num, den = (w * d * x).sum(dim=1), (w * d * d).sum(dim=1)
             s = torch.where((den > 0) & (num > 0), num / torch.where(den > 0, den, 1.0), s)
-        q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
-        return q, s, z, (w * (s[:, None] * (q - z[:, None]) - x) ** 2).sum(dim=1)
+        return s, z, *codes(s, z)
 
-    z = torch.clamp(torch.round(-low / (span / top)), 0, top)  # round-to-nearest: the min-max grid as it is
-    s = span / top
-    best_q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
-    best_s, best_z = s, z
-    best = (w * (s[:, None] * (best_q - z[:, None]) - x) ** 2).sum(dim=1)
+    best_s = span / top  # round-to-nearest: the min-max grid as it is
+    best_z = torch.clamp(torch.round(-low / best_s), 0, top)
+    best_q, best = codes(best_s, best_z)
     for levels in [float(top)] + [top - 1 + SEARCH_DELTA * step for step in range(SEARCH_STEPS + 1)]:
-        q, s, z, error = fitted(span / levels)
+        s, z, q, error = fitted(span / levels)
         better = error < best
         best = torch.where(better, error, best)
         best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)

@@ -179,14 +179,23 @@ def test_auto_keeps_integer_zero_points_unless_their_weighted_error_is_far_above
     AUTO_TOLERANCE of the float minimums' and the integer layout is kept; where loud channels read small weights
     it is far above (the only level near those weights is 0), and the float minimums are kept. On a grid that
     only one of them holds, that one is kept."""
-    from exporters.kquant import AUTO_TOLERANCE, _weighted_error
+    from exporters.kquant import AUTO_TOLERANCE
 
-    def error(w, importance, mode):
-        blocks = np.ascontiguousarray(w.T).reshape(-1, 32)
-        held = None if importance is None else np.broadcast_to(importance, (w.shape[1], w.shape[0])).reshape(-1, 32)
-        return _weighted_error(
-            blocks, None, held, mode, (search_zero_point if mode == "integer" else search)(blocks, 15, None, held)
-        )
+    def error(w, importance, mode):  # the search's objective, written out here in float64
+        x = np.ascontiguousarray(w.T).reshape(-1, 32).astype(np.float64)
+        square = (x**2).mean(axis=1, keepdims=True)
+        if importance is None:
+            weight = np.sqrt(square) + np.abs(x)
+        else:
+            held = np.broadcast_to(importance, (w.shape[1], w.shape[0])).reshape(-1, 32)
+            weight = held * np.sqrt(2 * square + x**2)
+        if mode == "integer":
+            q, scale, zero = search_zero_point(x.astype(np.float32), 15, None, None if importance is None else held)
+            values = scale[:, None] * (q.astype(np.float64) - zero[:, None])
+        else:
+            q, scale, low = search(x.astype(np.float32), 15, None, None if importance is None else held)
+            values = scale[:, None] * q.astype(np.float64) + low[:, None]
+        return float((weight * (values - x) ** 2).sum())
 
     w = fixture_weights()
     ratio = error(w, None, "integer") / error(w, None, "offsets")

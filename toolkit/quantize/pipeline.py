@@ -29,7 +29,7 @@ from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
-from exporters.kquant import kquant_blocks
+from exporters.kquant import ZERO_POINT_MODES, kquant_blocks
 from exporters.quantize import (
     ACCURACY_LEVELS,
     ALGORITHMS,
@@ -92,7 +92,7 @@ DEFAULT_IMATRIX = True
 # (Q4_1, Q4_K), which only offsets recover. Off a 4-bit grid (SmolLM2 at noise 0.08, benchmarks/recipes_offgrid.py)
 # integer zero points keep perplexity as well as offsets, and mixed with them decodes 1.30x faster on SmolLM2 and
 # 1.22x at 1B (benchmarks/int4_vs_llamacpp.py).
-ZERO_POINTS = ("auto", "integer", "offsets")
+ZERO_POINTS = ZERO_POINT_MODES
 DEFAULT_ZERO_POINTS = "auto"
 # int8 activations: ONNX Runtime's fast MatMulNBits kernels (level 0 has none for 8-bit or float-zero-point
 # weights) and what llama.cpp computes with quantized weights. Level 0 stays a flag: toolkit check holds its
