@@ -468,5 +468,8 @@ def decoder_names(c: LlamaConfig, tensors: dict, where, model_type: str = "llama
         # Gemma's RMSNorm multiplies by (1 + weight), computed in float32: stored here as that sum.
         for name, tensor in state.items():
             if name.endswith("norm.weight"):
-                state[name] = 1.0 + tensor.to(torch.float32)  # float32 even when the import keeps bfloat16
+                # float32 even when the import keeps bfloat16. A header's meta tensor only carries the shape, and
+                # arithmetic on it would load torch's meta kernels, which nothing else at that point needs.
+                widened = tensor.to(torch.float32)
+                state[name] = widened if widened.is_meta else 1.0 + widened
     return state
