@@ -22,17 +22,33 @@ HASH_PROGRESS: ContextVar[Callable[[str], None] | None] = ContextVar("hash_progr
 
 def sha256_file(path: Path) -> str:
     """The file's sha256, read 1 MiB at a time."""
-    digest, report = hashlib.sha256(), HASH_PROGRESS.get()
+    digest = hashlib.sha256()
     size = Path(path).stat().st_size
-    report = report if report is not None and size >= PROGRESS_BYTES else None
+    report = hash_progress(path, size)
     done = 0
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
             done += len(chunk)
-            if report is not None and (done % PROGRESS_EVERY < len(chunk) or done == size):
-                report(f"verifying {Path(path).name}: {done / 2**30:.2f} of {size / 2**30:.2f} GiB hashed")
+            if report is not None:
+                report(done, size)
     return digest.hexdigest()
+
+
+def hash_progress(path: Path, size: int) -> Callable[[int, int], None] | None:
+    """report(done, size) for hashing `path` as its chunks go by (a line each PROGRESS_EVERY bytes and at the end),
+    or None when nothing is listening or the file is under PROGRESS_BYTES."""
+    callback = HASH_PROGRESS.get()
+    if callback is None or size < PROGRESS_BYTES:
+        return None
+    shown = [0]
+
+    def report(done: int, size: int) -> None:
+        if done // PROGRESS_EVERY > shown[0] // PROGRESS_EVERY or (done == size and shown[0] != size):
+            callback(f"verifying {Path(path).name}: {done / 2**30:.2f} of {size / 2**30:.2f} GiB hashed")
+        shown[0] = done
+
+    return report
 
 
 DIGEST_CHUNK_BYTES = 4 << 20

@@ -59,6 +59,8 @@ def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearra
             out += init_tag + _varint(size)
             out += tensor.SerializeToString()
             if tensor.name in outside:  # raw_data's field number follows every field such a tensor declares
+                # Dropped from both maps as it is written, so each weight is freed once in the buffer.
+                del outside[tensor.name]
                 data = memoryview(raw.pop(tensor.name)).cast("B")  # bytes, whatever the buffer's item type
                 out += _varint(RAW_DATA_FIELD << 3 | 2) + _varint(len(data))
                 out += data
@@ -202,3 +204,161 @@ def all_tensors(model):
 
 def is_external(tensor) -> bool:
     return tensor.data_location == onnx.TensorProto.EXTERNAL
+
+
+# ----------------------------------------------------------------------------------------------------- streaming
+
+GRAPH_FIELD = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+INITIALIZER_FIELD = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
+SKIP_CHUNK = 8 << 20  # the bytes of a skipped field are read (and hashed) this many at a time
+
+
+class Malformed(ValueError):
+    """The file's protobuf framing is broken (a truncated field, a length past its message, an unknown wire type)."""
+
+
+class _Reader:
+    """Reads a file front to back, every byte through `digest` (skipped ones too), so the bytes checked are the
+    bytes hashed; `report(done, size)` is called as whole chunks go by."""
+
+    def __init__(self, handle, size: int, digest, report=None):
+        self.handle, self.size, self.digest, self.report = handle, size, digest, report
+        self.pos = 0
+
+    def read(self, n: int) -> bytes:
+        if n > self.size - self.pos:
+            raise Malformed(f"a field of {n} bytes at offset {self.pos} runs past the end of the file ({self.size})")
+        data = self.handle.read(n)
+        if len(data) != n:
+            raise Malformed(f"the file ended at offset {self.pos + len(data)}, before its stated {self.size} bytes")
+        self.digest.update(data)
+        self.pos += n
+        return data
+
+    def skip(self, n: int) -> None:
+        end = self.pos + n
+        if end > self.size:
+            raise Malformed(f"a field of {n} bytes at offset {self.pos} runs past the end of the file ({self.size})")
+        while self.pos < end:
+            self.read(min(SKIP_CHUNK, end - self.pos))
+            if self.report is not None:
+                self.report(self.pos, self.size)
+
+    def varint(self) -> tuple[int, bytes]:
+        raw = bytearray()
+        while True:
+            byte = self.read(1)[0]
+            raw.append(byte)
+            if byte < 0x80:
+                break
+            if len(raw) == 10:
+                raise Malformed(f"a varint at offset {self.pos - 10} is longer than 10 bytes")
+        value = 0
+        for shift, byte in enumerate(raw):
+            value |= (byte & 0x7F) << (7 * shift)
+        return value, bytes(raw)
+
+    def field(self, end: int) -> tuple[int, int, bytes]:
+        """(field number, wire type, the tag's bytes) of the next field of a message that ends at `end`."""
+        tag, raw = self.varint()
+        if self.pos > end:
+            raise Malformed(f"a field tag at offset {self.pos - len(raw)} runs past its message")
+        return tag >> 3, tag & 7, raw
+
+    def value(self, wire_type: int, end: int, number: int = 0) -> bytes:
+        """The bytes of a field's value after its tag (a length-delimited one with its length prefix; a group's up to
+        and including its end tag, which protobuf accepts as an unknown field)."""
+        if wire_type == 3:
+            data = bytearray()
+            while True:
+                inner, inner_type, tag = self.field(end)
+                data += tag
+                if inner_type == 4:
+                    if inner != number:
+                        raise Malformed(f"a group {number} ends with the end tag of group {inner}")
+                    break
+                data += self.value(inner_type, end, inner)
+            return bytes(data)
+        if wire_type == 0:
+            data = self.varint()[1]
+        elif wire_type == 1:
+            data = self.read(8)
+        elif wire_type == 5:
+            data = self.read(4)
+        elif wire_type == 2:
+            length, prefix = self.length(end)
+            data = prefix + self.read(length)
+        else:
+            raise Malformed(f"wire type {wire_type} at offset {self.pos}")
+        if self.pos > end:
+            raise Malformed(f"a field ending at offset {self.pos} runs past its message (ends at {end})")
+        return data
+
+    def length(self, end: int) -> tuple[int, bytes]:
+        length, prefix = self.varint()
+        if self.pos + length > end:
+            raise Malformed(f"a field of {length} bytes at offset {self.pos} runs past its message (ends at {end})")
+        return length, prefix
+
+
+def read_skeleton(handle, size: int, digest, threshold: int | None = None, report=None) -> tuple[bytes, dict[int, int]]:
+    """(the model's bytes with the raw_data of every graph initializer of more than `threshold` bytes left out,
+    {initializer index: the raw_data length left out}) of the serialised ModelProto in `handle` (`size` bytes),
+    read once front to back with every byte through `digest`.
+
+    Parsing a model with its weights inside holds the file's bytes and the parsed message at once, two copies of
+    the weights; the checks that read a graph (the checker, shape inference, the manifest's) need none of them.
+    Only the framing is read here: the skeleton's bytes still go through protobuf's own parser. Malformed when the
+    framing is broken."""
+    threshold = WEIGHTLESS_BYTES if threshold is None else threshold
+    reader, out, left_out = _Reader(handle, size, digest, report), bytearray(), {}
+    index = 0  # of the next initializer: a file may split its graph into several fields, which protobuf merges
+    while reader.pos < size:
+        number, wire_type, tag = reader.field(size)
+        if number != GRAPH_FIELD or wire_type != 2:
+            out += tag + reader.value(wire_type, size, number)
+            continue
+        length, _ = reader.length(size)
+        graph, index = _graph_skeleton(reader, reader.pos + length, threshold, left_out, index)
+        out += tag + _varint(len(graph)) + graph
+    return bytes(out), left_out
+
+
+def _graph_skeleton(
+    reader: _Reader, end: int, threshold: int, left_out: dict[int, int], index: int
+) -> tuple[bytearray, int]:
+    out = bytearray()
+    while reader.pos < end:
+        number, wire_type, tag = reader.field(end)
+        if number != INITIALIZER_FIELD or wire_type != 2:
+            out += tag + reader.value(wire_type, end, number)
+            continue
+        length, prefix = reader.length(end)
+        if length <= threshold:  # no raw_data in it can be over the threshold
+            out += tag + prefix + reader.read(length)
+        else:
+            tensor, raw = _tensor_skeleton(reader, reader.pos + length, threshold)
+            out += tag + _varint(len(tensor)) + tensor
+            if raw is not None:
+                left_out[index] = raw
+        index += 1
+    return out, index
+
+
+def _tensor_skeleton(reader: _Reader, end: int, threshold: int) -> tuple[bytearray, int | None]:
+    """(a TensorProto's bytes less a raw_data of more than `threshold` bytes, that raw_data's length or None)."""
+    out, raw = bytearray(), None
+    while reader.pos < end:
+        number, wire_type, tag = reader.field(end)
+        if number != RAW_DATA_FIELD or wire_type != 2:
+            out += tag + reader.value(wire_type, end, number)
+            continue
+        length, prefix = reader.length(end)
+        # protobuf keeps the last of a singular field that occurs twice, and so does this
+        if length > threshold:
+            reader.skip(length)
+            raw = length
+        else:
+            out += tag + prefix + reader.read(length)
+            raw = None
+    return out, raw

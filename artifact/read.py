@@ -8,6 +8,7 @@ subclass (artifact.errors).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -32,9 +33,9 @@ from artifact.format import (
     GraphArtifact,
     parse_manifest,
 )
-from artifact.hashing import sha256_bytes, sha256_file
+from artifact.hashing import hash_progress, sha256_bytes, sha256_file
 from artifact.jsonfile import parse_json, read_json
-from artifact.protobuf import NotText, all_tensors, decode_strings, is_external, weightless
+from artifact.protobuf import Malformed, NotText, all_tensors, decode_strings, is_external, read_skeleton, weightless
 from artifact.write import glob_escape, write_artifact
 
 # The one allow-list of operator sets a loaded graph may import: {domain: newest version accepted}.
@@ -150,7 +151,8 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
             _check_size(data_path, data_path.stat().st_size, limit, "external data file")
             _check_hash(data_path, digest, "the weights beside the graph changed or were truncated; re-export")
         # The hash is checked on the bytes validate_onnx reads, before it parses them (one read, not two).
-        model = validate_onnx(model_path, max_bytes=limit, sha256=entry.sha256)
+        # The graph is read without its weights: nothing here reads them, and a runner maps or reads them itself.
+        model = validate_onnx(model_path, max_bytes=limit, sha256=entry.sha256, weights=False)
         check_graph_matches_entry(model, entry, model_path)
         stray = sorted(external_locations(model) - set(entry.external_data))
         if stray:
@@ -170,7 +172,7 @@ def load_artifact(path: str | os.PathLike, *, max_bytes: int | None = None) -> A
 
 
 def _load_lone_onnx(path: Path, limit: int) -> Artifact:
-    model = validate_onnx(path, max_bytes=limit)
+    model = validate_onnx(path, max_bytes=limit, weights=False)
     props = {p.key: p.value for p in model.metadata_props}
     if METADATA_KEY not in props:
         raise ModelFileError(
@@ -240,8 +242,10 @@ def check_graph_matches_entry(model, entry, path: Path) -> None:
             )
 
 
-def _check_hash(path: Path, expected: str, advice: str, data: bytes | None = None) -> None:
-    actual = sha256_file(path) if data is None else sha256_bytes(data)
+def _check_hash(path: Path, expected: str, advice: str, data: bytes | None = None, actual: str | None = None) -> None:
+    """The file's sha256 (of `data`, its bytes already read, or `actual`, already computed) must be `expected`."""
+    if actual is None:
+        actual = sha256_file(path) if data is None else sha256_bytes(data)
     if actual != expected:
         raise HashMismatchError(
             f"{path}: sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…; {advice}"
@@ -268,24 +272,33 @@ def load_onnx(path: Path, *, max_bytes: int | None = None):
     return model
 
 
-def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | None = None):
+def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | None = None, weights: bool = True):
     """The checks every ONNX file passes before a runtime sees it; returns the parsed model without its
     external data. Order: size (from stat), the sha256 of the bytes read (when the manifest gives
     one), parse, IR version and opsets, external-data locations (and their sizes), the ONNX checker.
+
+    weights=False: the model is read without the raw_data of its initializers over WEIGHTLESS_BYTES
+    (artifact.protobuf.read_skeleton; their lengths are still checked against their shapes), for a caller that
+    reads the graph, not the weights: parsing a graph that holds its weights costs two copies of them.
     """
     from google.protobuf.message import DecodeError
 
     limit = max_model_bytes(max_bytes)
     path = Path(path)
+    advice = "the model was modified or corrupted, re-run `toolkit export`"
+    left_out: dict[int, int] = {}
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
             _check_size(path, size, limit)
-            data = handle.read(size + 1)
+            if weights:
+                data = handle.read(size + 1)
+            else:
+                data, left_out = _read_skeleton(path, handle, size, sha256, advice)
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read the model ({exc.strerror or exc})") from None
-    if sha256 is not None:
-        _check_hash(path, sha256, "the model was modified or corrupted, re-run `toolkit export`", data)
+    if sha256 is not None and weights:
+        _check_hash(path, sha256, advice, data)
     try:
         model = onnx.ModelProto.FromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
@@ -311,7 +324,7 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | Non
     _check_opsets(model, path)
     external = _check_external_data(model, path)
     _check_size(path, size + external, limit, "model with its external data")
-    raw_sizes = check_initializer_sizes(model, path)
+    raw_sizes = check_initializer_sizes(model, path, left_out)
     try:
         # With external data the checker must know the model's directory to find (and confine) the files.
         onnx.checker.check_model(str(path) if external else weightless(model, raw_sizes=raw_sizes))
@@ -323,12 +336,31 @@ def validate_onnx(path: Path, *, max_bytes: int | None = None, sha256: str | Non
     return model
 
 
-def check_initializer_sizes(model: onnx.ModelProto, path: Path) -> list[int]:
+def _read_skeleton(path: Path, handle, size: int, sha256: str | None, advice: str) -> tuple[bytes, dict[int, int]]:
+    """read_skeleton of the open file, hashed as it is read: a broken framing is reported once the whole file is
+    hashed, so a file that is not the one the manifest names gets the hash's error, as a full read would."""
+    report = hash_progress(path, size)
+    digest = hashlib.sha256()
+    try:
+        return_value, error = read_skeleton(handle, size, digest, report=report), None
+    except Malformed as exc:
+        return_value, error = None, exc
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    if sha256 is not None:
+        _check_hash(path, sha256, advice, actual=digest.hexdigest())
+    if error is not None:
+        raise CorruptModelError(f"{path}: not a readable ONNX model (Malformed: {error}); re-export it") from None
+    return return_value
+
+
+def check_initializer_sizes(model: onnx.ModelProto, path: Path, left_out: dict[int, int] | None = None) -> list[int]:
     """Raw initializer bytes must be exactly what their dims and dtype say (a header lie otherwise).
-    Returns len(raw_data) of each initializer, in order."""
-    raw_sizes = []
-    for tensor in model.graph.initializer:
-        raw_size = len(tensor.raw_data)
+    Returns len(raw_data) of each initializer, in order. left_out: {initializer index: raw_data length} of those
+    read without it (artifact.protobuf.read_skeleton)."""
+    raw_sizes, left_out = [], left_out or {}
+    for index, tensor in enumerate(model.graph.initializer):
+        raw_size = left_out[index] if index in left_out else len(tensor.raw_data)
         raw_sizes.append(raw_size)
         if not raw_size:
             continue

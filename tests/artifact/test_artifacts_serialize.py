@@ -6,6 +6,9 @@ final path, and validate_onnx checks the manifest hash on the bytes it parses, b
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from artifact import (
     validate_onnx,
     write_and_load,
 )
+from artifact.protobuf import WEIGHTLESS_BYTES, Malformed, read_skeleton
 
 
 def model_with_every_field() -> onnx.ModelProto:
@@ -195,3 +199,125 @@ def test_tensor_text_that_is_not_utf8_is_corrupt(tmp_path, where):
     path.write_bytes(model.SerializeToString().replace("\u00e9\u00e9".encode(), b"\x80\x80\x80\x80"))
     with pytest.raises(CorruptModelError, match=r"m\.onnx: not a readable ONNX model \(.*not UTF-8"):
         validate_onnx(path)
+
+
+# ------------------------------------------------------------------------------ reading a graph without its weights
+
+
+def skeleton_of(data: bytes, threshold: int) -> tuple[onnx.ModelProto, dict[int, int], str]:
+    digest = hashlib.sha256()
+    skeleton, left_out = read_skeleton(io.BytesIO(data), len(data), digest, threshold)
+    return onnx.ModelProto.FromString(skeleton), left_out, digest.hexdigest()
+
+
+def without_raw_over(model: onnx.ModelProto, threshold: int) -> onnx.ModelProto:
+    """The oracle: protobuf's own message with every initializer's raw_data over `threshold` bytes cleared."""
+    model = copy.deepcopy(model)
+    for tensor in model.graph.initializer:
+        if len(tensor.raw_data) > threshold:
+            tensor.ClearField("raw_data")
+    return model
+
+
+@pytest.mark.parametrize("threshold", [0, 100, 1000, 30000, 1 << 20])
+def test_read_skeleton_leaves_out_exactly_the_raw_data_over_the_threshold(threshold):
+    """Every field on both sides of the graph and the initializers (raw_data of 12 bytes to 280 kB, float_data, an
+    empty tensor): the skeleton is protobuf's own message less those raw_data, left_out their lengths by index,
+    and the digest is the whole file's."""
+    model = model_with_every_field()
+    data = model.SerializeToString()
+    skeleton, left_out, digest = skeleton_of(data, threshold)
+    assert skeleton == without_raw_over(model, threshold)
+    want = {i: len(t.raw_data) for i, t in enumerate(model.graph.initializer) if len(t.raw_data) > threshold}
+    assert left_out == want and (threshold > 1 << 19 or want)
+    assert digest == sha256_bytes(data)
+
+
+def test_read_skeleton_counts_initializers_across_a_graph_split_in_two():
+    """protobuf merges a message field that occurs twice (two serialised models, concatenated, parse as one whose
+    graph has both initializer lists): the indices of what is left out follow the merged list."""
+    first, second = tiny(), model_with_every_field()
+    data = first.SerializeToString() + second.SerializeToString()
+    merged = onnx.ModelProto.FromString(data)
+    skeleton, left_out, _ = skeleton_of(data, 1000)
+    assert skeleton == without_raw_over(merged, 1000)
+    assert left_out == {i: len(t.raw_data) for i, t in enumerate(merged.graph.initializer) if len(t.raw_data) > 1000}
+
+
+def test_read_skeleton_keeps_a_group_as_protobuf_does():
+    """An unknown field of wire type 3 (a group, up to its end tag) is an unknown field to protobuf, not an error."""
+    model = tiny()
+    group = bytes([(15 << 3) | 3, 8, 1, (15 << 3) | 4])  # field 15 (unused): start group, field 1 = 1, end group
+    data = model.SerializeToString() + group
+    skeleton, _, _ = skeleton_of(data, 0)
+    want = without_raw_over(onnx.ModelProto.FromString(data), 0)
+    assert skeleton.SerializeToString() == want.SerializeToString() and skeleton.SerializeToString().endswith(group)
+
+
+def test_validate_onnx_without_weights_refuses_what_a_full_parse_refuses(tmp_path):
+    """Differential, with protobuf's parser as the oracle: the file truncated at every length and with bytes
+    flipped at random, validate_onnx reading the graph without its weights accepts exactly what it accepts when
+    it parses everything, and returns the same model less the raw_data left out."""
+    rng = np.random.default_rng(1)
+    sizes = (3, 40, 5000, 70000)  # the last over WEIGHTLESS_BYTES
+    inits = [numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"w{i}") for i, n in enumerate(sizes)]
+    graph = helper.make_graph(
+        [helper.make_node("Add", [f"x{i}", f"w{i}"], [f"y{i}"], name=f"add{i}") for i in range(len(sizes))],
+        "checkable",
+        [helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [n]) for i, n in enumerate(sizes)],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [n]) for i, n in enumerate(sizes)],
+        inits,
+        doc_string="graph doc",
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], producer_name="p", doc_string="d")
+    model.ir_version = 10
+    model.metadata_props.add(key="k", value="v")
+    data = model.SerializeToString()
+    rng = np.random.default_rng(0)
+    cases = [data[:n] for n in sorted({*range(0, 200), *rng.integers(0, len(data), 300).tolist()})]
+    for _ in range(600):
+        damaged = bytearray(data)
+        for at in rng.integers(0, len(data), rng.integers(1, 4)):
+            damaged[at] ^= int(rng.integers(1, 256))
+        cases.append(bytes(damaged))
+    path, accepted = tmp_path / "m.onnx", 0
+    for case in [data, *cases]:
+        path.write_bytes(case)
+        outcomes = []
+        for weights in (True, False):
+            try:
+                outcomes.append(validate_onnx(path, weights=weights))
+            except CorruptModelError as exc:
+                outcomes.append(type(exc))
+        full, skeleton = outcomes
+        if isinstance(full, onnx.ModelProto):
+            accepted += 1
+            assert skeleton == without_raw_over(full, WEIGHTLESS_BYTES), case
+        else:
+            assert skeleton is full, case
+    assert accepted > 100  # flips inside the weights' bytes leave a readable model
+
+
+def test_validate_onnx_without_weights_checks_the_hash_of_every_byte(tmp_path):
+    """The skipped weight bytes are hashed too: a flip inside them is a hash mismatch, and a broken file whose
+    hash is not the manifest's reports the hash first, as a full read does."""
+    data = model_with_every_field().SerializeToString()
+    path = tmp_path / "m.onnx"
+    flipped = bytearray(data)
+    flipped[data.index(model_with_every_field().graph.initializer[3].raw_data) + 1000] ^= 1
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(HashMismatchError, match=r"m\.onnx: sha256 .* does not match"):
+        validate_onnx(path, sha256=sha256_bytes(data), weights=False)
+    path.write_bytes(data[:-7])
+    with pytest.raises(HashMismatchError, match=r"m\.onnx: sha256 .* does not match"):
+        validate_onnx(path, sha256=sha256_bytes(data), weights=False)
+    with pytest.raises(CorruptModelError, match=r"m\.onnx: not a readable ONNX model \(Malformed: .*past"):
+        validate_onnx(path, sha256=sha256_bytes(data[:-7]), weights=False)
+
+
+def test_read_skeleton_refuses_broken_framing():
+    model = model_with_every_field()
+    data = model.SerializeToString()
+    for broken in (data[:-1], data + b"\x0a\x05ab", data + b"\x0f", data + b"\xff" * 11):
+        with pytest.raises(Malformed):
+            read_skeleton(io.BytesIO(broken), len(broken), hashlib.sha256())

@@ -96,14 +96,15 @@ def test_exporting_more_layers_costs_about_one_copy_of_their_weights(tmp_path, l
 
 
 @pytest.mark.slow
-def test_an_inline_export_costs_about_two_copies_of_its_weights(tmp_path):
+def test_an_inline_export_costs_about_one_copy_of_its_weights(tmp_path):
     """The same two checkpoints with the weights inside the graph file: serialising writes each weight from the
-    released bytes straight into the file's buffer, which is let go once on disk, before the verification reads
-    the file back and parses it (two copies at once). Measured 2.1 bytes of peak per extra weight byte; with the
-    weights copied into the graph before serialising 3.1, with the file's buffer also held through the
-    verification 4.1."""
+    released bytes straight into the file's buffer and lets it go there, the buffer is let go once on disk, and
+    the verification reads the graph back without the weights (artifact.protobuf.read_skeleton), so no step holds
+    two copies. Measured 1.01 bytes of peak per extra weight byte; with the serialiser holding every weight until
+    the buffer is whole 2.08; with the verification parsing the whole file (as a runner that reads the weights
+    does) 2.03."""
     shallow = export_peak(tmp_path, 2, external=False)
-    assert_cost_per_extra_byte(shallow, export_peak(tmp_path, 30, external=False), 2.4)
+    assert_cost_per_extra_byte(shallow, export_peak(tmp_path, 30, external=False), 1.4)
 
 
 def test_the_weights_are_read_after_the_one_block_trace(tmp_path, monkeypatch):
