@@ -22,6 +22,7 @@ transformers copies from the GGUF's metadata and that no Hugging Face checkpoint
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ RECIPES = {
     "kquant integer imatrix, level 4": ["--bits", "4", "--recipe", "kquant", "--zero-points", "integer"],
     "mixed integer imatrix, level 4": ["--bits", "4", "--recipe", "mixed", "--zero-points", "integer"],
     "measured integer imatrix, level 4": ["--bits", "4", "--recipe", "measured", "--zero-points", "integer"],
+    "gptq, level 4": ["--bits", "4", "--recipe", "gptq"],
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
     "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--no-imatrix", "--accuracy-level", "4"],
 }
@@ -95,6 +97,12 @@ def main() -> int:
     parser.add_argument("--noise", default="0,0.03,0.08", help="comma-separated noise levels (times each row's RMS)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--recipes", help="semicolon-separated names of RECIPES to run (default: all)")
+    parser.add_argument(
+        "--text",
+        type=Path,
+        help="measure perplexity on this UTF-8 file (toolkit quantize --perplexity-text) in place of the report's "
+        "fixed 52-token sentence, for example /usr/share/common-licenses/GPL-3 (Debian's copy of the GPL)",
+    )
     args = parser.parse_args()
     chosen = RECIPES if not args.recipes else {name: RECIPES[name] for name in args.recipes.split(";")}
     import onnxruntime
@@ -110,6 +118,9 @@ def main() -> int:
             "transformers": transformers.__version__,
         },
         "gguf": smollm2_gguf().name,
+        "perplexity_text": None
+        if args.text is None
+        else {"path": str(args.text), "sha256": hashlib.sha256(args.text.read_bytes()).hexdigest()},
         "levels": [],
     }
     for noise in (float(n) for n in args.noise.split(",")):
@@ -125,7 +136,8 @@ def main() -> int:
             if out.exists():
                 subprocess.run(["rm", "-rf", str(out)], check=True)
             load = os.getloadavg()[0]
-            seconds = run([*TOOLKIT, "quantize", exported, *options, "--out", out, "--json", report, "--quiet"])
+            text = ["--perplexity-text", args.text] if args.text is not None else []
+            seconds = run([*TOOLKIT, "quantize", exported, *options, *text, "--out", out, "--json", report, "--quiet"])
             written = json.loads(report.read_text())
             quality = written["quality"]
             level["float_perplexity"] = quality["perplexity_float"]
@@ -136,6 +148,7 @@ def main() -> int:
                 "perplexity_vs_float": quality["perplexity_quantized"] / quality["perplexity_float"] - 1,
                 "logits_max_abs": quality["logits_max_abs"],
                 "logits_mean_abs": quality["logits_mean_abs"],
+                "perplexity_tokens": quality["perplexity_tokens"],
                 "zero_points": written.get("zero_points"),
                 "zero_points_chosen": written.get("zero_points_chosen"),
                 "quantize_seconds": round(seconds, 1),

@@ -633,15 +633,19 @@ def quantizer_version(algorithm: str, imatrix: bool = False, zero_points: str | 
         "kquant": "k-quant search (weighted least-squares scale and float minimum per block, held as offsets)",
         "mixed": "k-quant search, the vocabulary projection at 8 bits",
         "measured": "k-quant search, the vocabulary projection and the most sensitive weights (measured) at 8 bits",
+        "gptq": "GPTQ (rounding errors moved onto the rows not yet rounded by E[x^T x] on a calibration text), "
+        "each block's scale and uint8 zero point by the k-quant search",
     }
-    ours = algorithm in ("kquant", "mixed", "measured")
+    ours = algorithm in ("kquant", "mixed", "measured", "gptq")
     weighting = "; the search weighted by each input channel's mean square on a calibration text" if imatrix else ""
     if zero_points == "integer":
         weighting += "; integer zero points searched in place of float minimums (no offsets)"
     elif zero_points == "auto":
         weighting += "; per weight, integer zero points unless their weighted error is far above float minimums'"
     return {
-        "tool": "exporters.kquant" if ours else "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
+        "tool": ("exporters.gptq" if algorithm == "gptq" else "exporters.kquant")
+        if ours
+        else "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer",
         "algorithm": described[algorithm] + weighting,
         "onnxruntime": onnxruntime.__version__,
     }

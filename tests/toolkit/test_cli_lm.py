@@ -237,3 +237,66 @@ def test_generate_option_ranges_are_usage_errors(artifact_dir, option, value, fr
     result = invoke("generate", artifact_dir, "--prompt", "hi", option, value)
     assert result.exit_code == 2, result.output
     assert fragment in result.stderr and "Traceback" not in result.output
+
+
+def test_quantize_measures_perplexity_on_a_users_text_window_by_window(artifact_dir, checkpoint, tmp_path):
+    """--perplexity-text: the file tokenized whole (BOS first), cut into windows of the model's context (48 here),
+    each fed alone. The float perplexity equals transformers' over the same windows (tokenized by the tokenizers
+    library, not the toolkit), and the quantized one numpy's over the quantized artifact's logits."""
+    from models.artifacts import open_artifact
+    from runners.decoding.generate import CachedLM
+    from runners.registry import create_runner
+
+    directory, model, tok = checkpoint
+    text = " ".join(["the quick brown fox jumps over the lazy dog", "hello world", "the lazy fox"] * 12)
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    out, report = tmp_path / "q", tmp_path / "q.json"
+    result = invoke(
+        "quantize", artifact_dir, "--bits", 8, "--recipe", "rtn", "--perplexity-text", path, "--out", out,
+        "--json", report, "--greedy-tokens", 2,
+    )  # fmt: skip
+    assert result.exit_code == 0, (result.output, result.exception)
+    quality = json.loads(report.read_text())["quality"]
+    ids = [tok.token_to_id("<s>"), *tok.encode(text).ids]
+    width = model.config.max_position_embeddings
+    windows = [ids[i : i + width] for i in range(0, len(ids), width)]
+    windows = [w for w in windows if len(w) > 1]
+    assert len(windows) >= 3  # several windows, so a report of the first alone differs
+    assert quality["perplexity_text"] == {
+        "file": "text.txt",
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "tokens_in_file": len(ids),
+        "windows": len(windows),
+    }
+    assert quality["perplexity_tokens"] == sum(len(w) - 1 for w in windows)
+    assert f"of text.txt: {len(windows)} windows" in result.output
+
+    def loss(logits, window):  # numpy: -log softmax at the next token
+        logits = np.asarray(logits, dtype=np.float64)[:-1]
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        return -log_probs[np.arange(len(window) - 1), window[1:]]
+
+    with torch.no_grad():
+        hf = np.concatenate([loss(model(torch.tensor([w])).logits[0].double().numpy(), w) for w in windows])
+    assert quality["perplexity_float"] == pytest.approx(math.exp(hf.mean()), rel=1e-5)
+    runner = create_runner("ort-cpu", open_artifact(out))
+    quantized = np.concatenate(
+        [loss(CachedLM(runner, width).step(np.asarray([w], dtype=np.int64))[0], w) for w in windows]
+    )
+    assert quality["perplexity_quantized"] == pytest.approx(math.exp(quantized.mean()), rel=1e-9)
+
+
+def test_quantize_perplexity_text_errors_are_user_errors(artifact_dir, exported, tmp_path):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"the quick \xff\xfe fox")
+    args = ("--bits", 8, "--recipe", "rtn", "--out", tmp_path / "q", "--perplexity-text")
+    assert_user_error(invoke("quantize", artifact_dir, *args, binary), "binary.txt is not UTF-8 text (byte 10")
+    short = tmp_path / "short.txt"
+    short.write_text("")
+    assert_user_error(invoke("quantize", artifact_dir, *args, short), "short.txt is 1 token(s)")
+    assert_user_error(invoke("quantize", artifact_dir, *args, tmp_path / "missing.txt"), "cannot read", "missing")
+    lone = exported("decoder-small", "serving").directory
+    assert_user_error(invoke("quantize", lone, *args, binary), "has no tokenizer.json to tokenize")
+    assert not (tmp_path / "q").exists()

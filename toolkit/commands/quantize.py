@@ -14,6 +14,8 @@ from toolkit.quantize.pipeline import (
     DEFAULT_IMATRIX,
     DEFAULT_ZERO_POINTS,
     GREEDY_TOKENS,
+    PERPLEXITY_TEXT_TOKENS,
+    PERPLEXITY_WINDOW,
     RECIPES,
     ZERO_POINTS,
     quantize_artifact,
@@ -89,6 +91,14 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     show_default=True,
     help="Greedy tokens per fixed prompt for the agreement score.",
 )
+@click.option(
+    "--perplexity-text",
+    type=click.Path(dir_okay=False),
+    help="A UTF-8 text file on which the report measures both models' perplexity, in place of a fixed sentence: "
+    f"tokenized by the artifact's tokenizer, its first {PERPLEXITY_TEXT_TOKENS} tokens cut into windows of "
+    f"{PERPLEXITY_WINDOW} (or the model's context), each fed alone. A few thousand tokens tell recipes apart "
+    "where the fixed sentence (about 50 tokens) cannot.",
+)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Artifact directory to write.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the quality report here.")
 @click.option("--quiet", is_flag=True, help="No progress lines on stderr (shown on a terminal by default).")
@@ -103,6 +113,7 @@ def command(
     imatrix,
     zero_points,
     greedy_tokens,
+    perplexity_text,
     out_dir,
     json_file,
     quiet,
@@ -120,6 +131,7 @@ def command(
         imatrix=imatrix,
         zero_points=zero_points,
         greedy_tokens=greedy_tokens,
+        perplexity_text=perplexity_text,
         progress=Progress("quantize", quiet),
     )
     q, made = result.quality, result.artifact.manifest.quantization
@@ -166,7 +178,7 @@ def command(
     )
     click.echo(
         f"  perplexity:        float {q['perplexity_float']:.4g}, quantized {q['perplexity_quantized']:.4g} "
-        f"({q['perplexity_tokens']} tokens)"
+        f"({q['perplexity_tokens']} tokens{_text_source(q['perplexity_text'])})"
     )
     if json_file:
         report = {
@@ -176,6 +188,12 @@ def command(
             "quality": q,
         }
         write_text_atomically(json_file, json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def _text_source(text) -> str:
+    if not isinstance(text, dict):
+        return ""
+    return f" of {text['file']}: {text['windows']} windows, {text['tokens_in_file']} tokens in the file"
 
 
 def _slow_at_level_0(tensors) -> bool:

@@ -8,6 +8,8 @@ report's perplexity text), every F.linear call records the mean square of its in
 MatMul weight's search (exporters/kquant.search) weights value (k, n) by importance[k] times
 sqrt(2 mean(block^2) + w^2), llama.cpp's weighting with an importance matrix (quantize_row_q4_K_impl). The
 8-bit weights of `mixed` and `measured` take it too.
+
+`--recipe gptq` reads the same inputs for the whole second moment E[x^T x] of each weight's input (hessians()).
 """
 
 from __future__ import annotations
@@ -21,25 +23,28 @@ from artifact.errors import ConfigError
 from toolkit.quantize.sensitivity import Calibration, weights_of
 
 
-class _InputSquares(TorchFunctionMode):
-    """Sums x^2 per input channel, and counts rows, of every F.linear call whose weight is one of `watched`."""
+class _LinearInputs(TorchFunctionMode):
+    """Sums statistic(x) (x: float64 [rows, K]), and counts rows, over every F.linear call whose weight is one of
+    `watched`, by the weight's id (a tied head's weight is the embedding's, under two names)."""
 
-    def __init__(self, watched: dict[int, str]):
+    def __init__(self, watched: set[int], statistic):
         super().__init__()
-        self.watched = watched
-        self.sums: dict[str, torch.Tensor] = {}
-        self.rows: dict[str, int] = {}
+        self.watched, self.statistic = watched, statistic
+        self.sums: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            name = self.watched.get(id(weight))
-            if name is not None:
+            if id(weight) in self.watched:
                 flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)  # (rows, K)
-                self.sums[name] = self.sums.get(name, 0) + (flat * flat).sum(dim=0)
-                self.rows[name] = self.rows.get(name, 0) + flat.shape[0]
+                self.sums[id(weight)] = self.sums.get(id(weight), 0) + self.statistic(flat)
+                self.rows[id(weight)] = self.rows.get(id(weight), 0) + flat.shape[0]
         return func(*args, **kwargs)
+
+    def mean(self, key: int) -> torch.Tensor | None:
+        return self.sums[key] / self.rows[key] if key in self.sums else None
 
 
 def importance(calibrated: Calibration, matmul_b: set[str], source_map: dict, folded: dict) -> dict:
@@ -49,13 +54,48 @@ def importance(calibrated: Calibration, matmul_b: set[str], source_map: dict, fo
     error (its search would be weighted by nothing); kquant_blocks refuses an importance of another K."""
     held = weights_of(matmul_b, source_map, folded)
     parameters = dict(calibrated.model.named_parameters(remove_duplicate=False))
-    watched = {id(parameters[e["name"]]): e["name"] for entries in held.values() for e in entries}
-    with _InputSquares(watched) as squares, torch.no_grad():
+    with _LinearInputs({id(parameters[e["name"]]) for entries in held.values() for e in entries}, _squares) as seen:
+        with torch.no_grad():
+            calibrated.runner.run(calibrated.feed)
+    found = {}
+    for b, entries in held.items():
+        means = [m for m in (seen.mean(id(parameters[e["name"]])) for e in entries) if m is not None]
+        if not means:
+            raise ConfigError(f"--imatrix: the float model never multiplies by {entries[0]['name']} (MatMul {b})")
+        found[b] = means[0].numpy().astype(np.float32)
+    return found
+
+
+def _squares(flat: torch.Tensor) -> torch.Tensor:
+    return (flat * flat).sum(dim=0)  # [K]
+
+
+def _gram(flat: torch.Tensor) -> torch.Tensor:
+    return flat.T @ flat  # [K, K]
+
+
+def hessians(
+    calibrated: Calibration, matmul_b: set[str], source_map: dict, folded: dict, also: dict[str, str] | None = None
+) -> dict:
+    """{B: float64 [K, K], E[x^T x] of the input of the torch weight(s) B holds} over the calibration text (GPTQ's
+    H, exporters/gptq.py), for the MatMul weights `matmul_b`, the vocabulary projection's too; one per B, since a
+    fused B's weights read the same input. `also`: {B: torch name} for a B the weight map does not name (a tied
+    head's folded transpose). An error, as for importance(), when a B is neither, or the float model never
+    multiplies by its weight."""
+    held = weights_of(matmul_b, source_map, folded, head=True)
+    for b, name in (also or {}).items():
+        held.setdefault(b, [{"name": name}])
+    unnamed = sorted(matmul_b - set(held))
+    if unnamed:
+        raise ConfigError(f"--recipe gptq: MatMul weight {unnamed[0]} holds no weight of the model's weight map")
+    parameters = dict(calibrated.model.named_parameters(remove_duplicate=False))
+    key = {b: id(parameters[entries[0]["name"]]) for b, entries in held.items()}
+    with _LinearInputs(set(key.values()), _gram) as seen, torch.no_grad():
         calibrated.runner.run(calibrated.feed)
     found = {}
     for b, entries in held.items():
-        names = [e["name"] for e in entries if e["name"] in squares.sums]
-        if not names:
-            raise ConfigError(f"--imatrix: the float model never multiplies by {entries[0]['name']} (MatMul {b})")
-        found[b] = (squares.sums[names[0]] / squares.rows[names[0]]).numpy().astype(np.float32)
+        mean = seen.mean(key[b])
+        if mean is None:
+            raise ConfigError(f"--recipe gptq: the float model never multiplies by {entries[0]['name']} (MatMul {b})")
+        found[b] = mean.numpy()
     return found

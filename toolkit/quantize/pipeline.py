@@ -16,6 +16,7 @@ quantized, both on ONNX Runtime CPU.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import tempfile
@@ -29,6 +30,7 @@ from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
+from exporters.gptq import gptq_blocks
 from exporters.kquant import ZERO_POINT_MODES, kquant_blocks
 from exporters.quantize import (
     ACCURACY_LEVELS,
@@ -37,6 +39,7 @@ from exporters.quantize import (
     BLOCK_SIZES,
     HEAD,
     GraphWeights,
+    constant_matmul_weights,
     head_copies,
     head_copy,
     prepare_proto,
@@ -48,8 +51,8 @@ from exporters.quantize import (
 )
 from models.artifacts import artifact_config, open_artifact
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
-from toolkit.quantize.importance import importance
-from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure
+from toolkit.quantize.importance import hessians, importance
+from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure, sampled_calibration
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -64,6 +67,11 @@ PERPLEXITY_TEXT = (
     "weight with fewer bits, which saves memory and time, at some cost in accuracy."
 )
 GREEDY_TOKENS = 16
+# --perplexity-text: a user's text, tokenized whole and cut into windows of PERPLEXITY_WINDOW tokens (fewer where
+# the model's context is shorter), each fed alone; the first PERPLEXITY_TEXT_TOKENS tokens are measured. The fixed
+# text above is 52 tokens with SmolLM2's tokenizer: too few to tell recipes a few percent apart.
+PERPLEXITY_WINDOW = 512
+PERPLEXITY_TEXT_TOKENS = 8192
 SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 
 
@@ -73,7 +81,14 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 # at 4 bits (measured one by one, toolkit/quantize/sensitivity.py) at 8 bits too; rtn, hqq: the float weights
 # re-rounded by ONNX Runtime's node quantizers.
 KQUANT_RECIPES = ("kquant", "mixed", "measured")
-RECIPES = ("gguf", *KQUANT_RECIPES, *ALGORITHMS)
+# gptq: every MatMul weight (the vocabulary projection too) rounded by GPTQ (exporters/gptq.py), the rounding errors
+# moved onto the input channels not yet rounded by E[x^T x] on the calibration text; integer zero points, so
+# round-to-nearest's layout and speed.
+GPTQ = "gptq"
+# GPTQ's E[x^T x] needs many more tokens than a weight has input channels (up to a few thousand); the calibration
+# text is about a hundred, so the float model continues it: GPTQ_ROWS sequences of GPTQ_TOKENS, sampled.
+GPTQ_ROWS, GPTQ_TOKENS = 8, 256
+RECIPES = ("gguf", *KQUANT_RECIPES, GPTQ, *ALGORITHMS)
 HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
 # Without --recipe, float weights take the recipe that keeps the model best at each width without measuring it,
 # on SmolLM2 with weights on and off a 4-bit grid (benchmarks/recipes_offgrid.py): mixed at 4 bits (rtn's
@@ -123,6 +138,7 @@ def quantize_artifact(
     imatrix: bool | None = None,
     zero_points: str | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
+    perplexity_text=None,
     progress=None,
 ) -> QuantizeResult:
     """Quantize every constant-weight MatMul of the artifact at `source_dir` into `out_dir` (atomically).
@@ -139,7 +155,8 @@ def quantize_artifact(
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' block minimum, "integer" (MatMulNBits' uint8 zero points), "offsets" (a
     float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment); None is
-    DEFAULT_ZERO_POINTS.
+    DEFAULT_ZERO_POINTS. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
     named = recipe is not None or algorithm is not None
@@ -148,7 +165,7 @@ def quantize_artifact(
         raise ConfigError(f"--bits: expected one of {', '.join(map(str, BITS))}, got {bits!r}")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise ConfigError(f"--block-size: expected one of {', '.join(map(str, BLOCK_SIZES))}, got {block_size!r}")
-    if recipe in (*KQUANT_RECIPES, *ALGORITHMS) and bits is None:
+    if recipe in (*KQUANT_RECIPES, GPTQ, *ALGORITHMS) and bits is None:
         raise ConfigError(f"--bits is required with --recipe {recipe}")
     if recipe == "measured" and bits == 8:
         raise ConfigError("--recipe measured keeps chosen 4-bit weights at 8 bits; with --bits 8 use mixed or rtn")
@@ -183,6 +200,7 @@ def quantize_artifact(
             "quantize the float artifact it came from"
         )
     _check_language_model(source)
+    text = None if perplexity_text is None else read_perplexity_text(source, perplexity_text)
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
     check_output_dir(out_dir)  # before the slow part
@@ -257,6 +275,12 @@ def quantize_artifact(
                 return weight
 
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit ({recipe}, k-quant search)")
+        elif recipe == GPTQ:
+            head_b = None if head is None else head_copy(copies, torch_weight(originals, head))
+            constant = set(constant_matmul_weights(prepared, weights))
+            source_map = graph.entry.data["weights"]
+            blocks = _gptq(source, weights, constant, source_map, folded, head_b, bits, block_size, progress)
+            progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
         if blocks is not None:
             quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
         else:
@@ -326,12 +350,47 @@ def quantize_artifact(
         del files, pending
         progress("measuring logits error, greedy agreement and perplexity against the float model on ort-cpu")
         measured = open_artifact(scratch_dir)
-        quality = evaluate_quality(source, measured, greedy_tokens=greedy_tokens)
+        quality = evaluate_quality(source, measured, greedy_tokens=greedy_tokens, text=text)
         written = json.loads((scratch_dir / MANIFEST_FILE).read_text())
         written["quantization"]["quality"] = quality
         progress(f"writing {out_dir}")
         write_artifact(out_dir, {MANIFEST_FILE: manifest_bytes(written)}, verify=open_artifact, move_from=scratch_dir)
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
+
+
+def _gptq(
+    source: Artifact, weights: GraphWeights, matmul_b: set[str], source_map, folded, head_b, bits, block_size, progress
+):
+    """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
+    holds a tied head's values, found by head_copies): E[x^T x] of every one's input measured on the sampled
+    calibration text (all at once, refused up front when they would not fit in half the memory available), then
+    each weight rounded by GPTQ as it is written."""
+    from toolkit.check.oracle import available_memory
+
+    dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
+    for b in sorted(matmul_b):
+        if dims[b][0] % block_size:
+            raise ConfigError(
+                f"--recipe gptq: MatMul weight {b!r} has K {dims[b][0]}, not a multiple of --block-size {block_size}; "
+                "use --recipe mixed or a block size that divides it"
+            )
+    need = sum(8 * dims[b][0] ** 2 for b in matmul_b)
+    free = available_memory()
+    if free is not None and need > free / 2:
+        raise ConfigError(
+            f"--recipe gptq holds E[x^T x] of every MatMul input at once: {need / 2**30:.1f} GiB for this model, "
+            f"more than half of the {free / 2**30:.1f} GiB available; use --recipe mixed"
+        )
+    progress(f"writing a calibration text of {GPTQ_ROWS} x {GPTQ_TOKENS} tokens with the float model on ort-cpu")
+    calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS)
+    progress(f"measuring E[x^T x] of the inputs of {len(matmul_b)} MatMul weights on it")
+    moments = hessians(calibrated, matmul_b, source_map, folded, {head_b: HEAD} if head_b else {})
+    del calibrated
+
+    def blocks(b):
+        return gptq_blocks(weights.array(b), moments.pop(b), bits, block_size)
+
+    return blocks
 
 
 def _recipe(recipe: str | None, algorithm: str | None, block_size: int | None) -> str | None:
@@ -396,22 +455,74 @@ def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes], pending: P
 # --------------------------------------------------------------------------- quality
 
 
+@dataclass
+class PerplexityText:
+    """A --perplexity-text file as the quality report measures it: its token ids cut into windows."""
+
+    name: str
+    sha256: str
+    tokens: int  # in the whole file
+    windows: list[list[int]]
+
+    def report(self) -> dict:
+        return {"file": self.name, "sha256": self.sha256, "tokens_in_file": self.tokens, "windows": len(self.windows)}
+
+
+def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
+    """The file at `path` tokenized by `artifact`'s tokenizer (BOS first where it adds one), its first
+    PERPLEXITY_TEXT_TOKENS tokens cut into windows of PERPLEXITY_WINDOW (or the model's context, if shorter);
+    a last window of one token, which predicts nothing, is dropped. ConfigError for an artifact without a
+    tokenizer, a file that is not UTF-8 text, or one of fewer than two tokens."""
+    from models.tokenizer import TextTokenizer
+
+    path = Path(path)
+    directory = artifact.directory
+    if directory is None or not (directory / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"--perplexity-text: {artifact.location} has no tokenizer.json to tokenize {path} with; export it from "
+            "a checkpoint with a tokenizer, or leave --perplexity-text out (the report then uses fixed token ids)"
+        )
+    try:
+        data = path.read_bytes()
+        text = data.decode("utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--perplexity-text: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--perplexity-text: {path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r})"
+        ) from None
+    ids = TextTokenizer.from_artifact(directory).encode(text)
+    if len(ids) < 2:
+        raise ConfigError(f"--perplexity-text: {path} is {len(ids)} token(s); perplexity needs at least 2")
+    width = max(min(PERPLEXITY_WINDOW, artifact_config(artifact).max_positions), 2)
+    kept = ids[:PERPLEXITY_TEXT_TOKENS]
+    windows = [kept[i : i + width] for i in range(0, len(kept), width)]
+    if len(windows[-1]) < 2:
+        windows.pop()
+    return PerplexityText(path.name, hashlib.sha256(data).hexdigest(), len(ids), windows)
+
+
 def evaluate_quality(
-    float_artifact: Artifact, quantized_artifact: Artifact, *, greedy_tokens: int = GREEDY_TOKENS
+    float_artifact: Artifact,
+    quantized_artifact: Artifact,
+    *,
+    greedy_tokens: int = GREEDY_TOKENS,
+    text: PerplexityText | None = None,
 ) -> dict:
-    """Quantized vs float, both on ONNX Runtime CPU, on fixed prompts and a fixed text.
+    """Quantized vs float, both on ONNX Runtime CPU, on fixed prompts and a fixed text (or `text`).
 
     - logits: max / mean abs difference over every position of the prompts + greedy continuations;
     - greedy agreement: the float model's greedy continuation of each prompt is fed to both models
       (teacher forcing); the fraction of those positions where the quantized arg-max equals the float one;
-    - perplexity of each model on a fixed text (next-token, natural log base e).
+    - perplexity of each model on a fixed text, or on `text`'s windows, each fed alone (next-token, natural log
+      base e, the mean over every predicted token of every window).
     """
     from runners.registry import create_runner
 
     config = artifact_config(float_artifact)
     prompts, text_ids, tokenized = _fixed_inputs(float_artifact, config)
     budget = config.max_positions
-    text_ids = text_ids[:budget]
+    windows = text.windows if text is not None else [text_ids[:budget]]
     # The float model runs first and is dropped before the quantized one loads: the two sessions are never
     # held at once. Its weights are held once, not prepacked beside themselves: at real sizes the float session
     # is the largest thing a quantization holds (a 3B float32 model's prepacked session would not fit in 24 GiB).
@@ -428,7 +539,7 @@ def evaluate_quality(
         fed_sequences.append(fed)
         float_logits.append(_logits(float_runner, fed))
         starts.append(len(prompt) - 1 if steps else None)
-    perplexity_float = perplexity(_logits(float_runner, text_ids), text_ids)
+    perplexity_float = _perplexity_of_windows(float_runner, windows)
     del float_runner
     quant_runner = create_runner("ort-cpu", quantized_artifact)
     max_diff, sum_diff, count_diff, agree, positions = 0.0, 0.0, 0, 0, 0
@@ -451,10 +562,17 @@ def evaluate_quality(
         "logits_mean_abs": sum_diff / max(count_diff, 1),
         "greedy_agreement": agree / positions if positions else float("nan"),
         "greedy_positions": positions,
-        "perplexity_tokens": len(text_ids) - 1,
+        "perplexity_tokens": sum(len(w) - 1 for w in windows),
+        "perplexity_text": text.report() if text is not None else "fixed",
         "perplexity_float": perplexity_float,
-        "perplexity_quantized": perplexity(_logits(quant_runner, text_ids), text_ids),
+        "perplexity_quantized": _perplexity_of_windows(quant_runner, windows),
     }
+
+
+def _perplexity_of_windows(runner, windows: list[list[int]]) -> float:
+    """exp of the mean next-token loss over every predicted token of every window (each fed alone)."""
+    losses = [negative_log_likelihoods(_logits(runner, w), w) for w in windows]
+    return float(math.exp(np.concatenate(losses).mean()))
 
 
 def _fixed_inputs(artifact: Artifact, config):
@@ -492,11 +610,15 @@ def perplexity(logits: np.ndarray, ids: list[int]) -> float:
 
     logits: [T, V] for the T tokens `ids`; the last row predicts nothing inside the text and is unused.
     """
+    return float(math.exp(negative_log_likelihoods(logits, ids).mean()))
+
+
+def negative_log_likelihoods(logits: np.ndarray, ids: list[int]) -> np.ndarray:
+    """[T - 1] float64: -log softmax(logits[t])[ids[t+1]] for each t (perplexity's terms)."""
     logits = np.asarray(logits)
     if logits.ndim != 2 or len(logits) != len(ids) or len(ids) < 2:
         raise ValueError(f"expected [T, V] logits for T >= 2 ids, got {logits.shape} for {len(ids)} ids")
     logits = logits[:-1].astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-    nll = -log_probs[np.arange(len(ids) - 1), np.asarray(ids[1:])]
-    return float(math.exp(nll.mean()))
+    return -log_probs[np.arange(len(ids) - 1), np.asarray(ids[1:])]

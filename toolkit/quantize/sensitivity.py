@@ -67,9 +67,12 @@ def calibration_ids(source, config) -> list[int]:
     return ids[: config.max_positions]
 
 
-def weights_of(matmul_b: set[str], source_map: dict, folded: dict[str, str]) -> dict[str, list[dict]]:
+def weights_of(
+    matmul_b: set[str], source_map: dict, folded: dict[str, str], head: bool = False
+) -> dict[str, list[dict]]:
     """{B: the weight-map entries of the torch weights it holds, re-pointed at B}: a fused B (QKV, gate/up) holds
-    several, each a slice; a B folded from a transposed initializer holds its weight transposed the other way."""
+    several, each a slice; a B folded from a transposed initializer holds its weight transposed the other way.
+    The vocabulary projection's B only with `head`."""
     held: dict[str, list[dict]] = {}
     for name, entry in source_map.items():
         location, transpose = entry["initializer"], bool(entry.get("transpose"))
@@ -79,7 +82,7 @@ def weights_of(matmul_b: set[str], source_map: dict, folded: dict[str, str]) -> 
             if entry.get("slice"):  # the slice's axis is the stored initializer's, which the fold swapped
                 axis, start, stop = entry["slice"]
                 moved["slice"] = [1 - axis, start, stop]
-        if location in matmul_b and name != HEAD:
+        if location in matmul_b and (head or name != HEAD):
             held.setdefault(location, []).append(dict(moved, name=name, initializer=location, transpose=transpose))
     return held
 
@@ -159,3 +162,39 @@ def measure(
         four_bit.pop(b)
     labels = {b: "+".join(entry["name"].removesuffix(".weight") for entry in entries) for b, entries in held.items()}
     return Promotion(promoted, sensitivity, used / total if total else 0.0, share, elements, labels, four_bit)
+
+
+SAMPLING_TEMPERATURE = 0.9
+SAMPLING_SEED = 0
+
+
+def sampled_calibration(source, calibrated: Calibration, rows: int, tokens: int) -> Calibration:
+    """`calibrated` with a longer feed, written by the float model itself: `rows` sequences of `tokens`, each
+    starting from its own slice of the calibration text (the text cut in `rows` pieces of equal length) and
+    continued by sampling the float artifact `source` on ONNX Runtime, all rows in one batch (temperature
+    SAMPLING_TEMPERATURE, no stop token): text in the model's own distribution, where no corpus ships with the
+    toolkit. Rows are cut to the model's context where it is shorter than `tokens`."""
+    from models.artifacts import artifact_config
+    from models.registry import lm_defaults
+    from runners.decoding.generate import CachedLM
+    from runners.registry import create_runner
+
+    tokens = min(tokens, artifact_config(source).max_positions)
+    text = calibrated.feed["input_ids"][0].tolist()
+    piece = max(min(len(text) // rows, tokens - 1), 1)
+    ids = np.asarray([(text[i * piece : (i + 1) * piece] + text)[:piece] for i in range(rows)], dtype=np.int64)
+    lm = CachedLM(create_runner("ort-cpu", source), tokens)
+    rng = np.random.default_rng(SAMPLING_SEED)
+    logits = lm.step(ids)[:, -1]
+    while ids.shape[1] < tokens:
+        scaled = logits.astype(np.float64) / SAMPLING_TEMPERATURE
+        p = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        chosen = np.array([[rng.choice(p.shape[1], p=row)] for row in p], dtype=np.int64)
+        ids = np.concatenate([ids, chosen], axis=1)
+        if ids.shape[1] < tokens:
+            logits = lm.step(chosen)[:, -1]
+    del lm
+    return Calibration(
+        calibrated.model, calibrated.runner, {"input_ids": ids, **lm_defaults(calibrated.runner.input_specs, ids)}
+    )

@@ -1,0 +1,84 @@
+"""`toolkit quantize --recipe gptq`: float weights to MatMulNBits blocks that keep the layer's output, not the weight.
+
+Round-to-nearest and the k-quant search each round a block as well as it can be rounded alone. GPTQ (Frantar et
+al., 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained Transformers") rounds a
+MatMul y = x W one input channel (row k of W [K, N]) at a time and moves the rounding error of row k onto the
+rows not yet rounded, weighted by the inverse of H = E[x^T x] measured on a calibration text, so that the
+layer's output on such inputs, not each weight, stays close: it minimises E|x (W - Q)|^2 row by row.
+
+Each block of 32 rows (one MatMulNBits block per output column) takes its scale and integer zero point when its
+first row comes up, from the rows as the earlier errors have moved them, by the k-quant search
+(exporters/kquant.search_zero_point, weighted by H's diagonal, each channel's mean square); the rows are then
+rounded onto that grid. The result is round-to-nearest's layout (uint8 zero points, no offsets), so it decodes
+at round-to-nearest's speed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from exporters.gguf_blocks import NBitsWeight, pack4
+from exporters.kquant import search_zero_point
+
+# Of H's mean diagonal, added to its diagonal. GPTQ's paper adds 1 %, for H from 128 x 2048 tokens; from the
+# recipe's 2048 sampled tokens H is close to singular for a K of 1536, and at 1 % GPTQ fits the calibration text
+# (a 5th layer's down projection of SmolLM2 off its grid: output error 0.24x the k-quant search's on the text,
+# 1.6-1.9x on other text); 30 % keeps it at 0.6-1.1x on other text (benchmarks/recipes_offgrid.py's --text runs).
+DAMPING = 0.3
+BATCH = 128  # rows whose error moves onto the rest in one product (GPTQ's lazy batch updates)
+
+
+def gptq_blocks(weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_size: int = 32) -> NBitsWeight:
+    """The MatMulNBits weight (integer zero points) of float `weight` [K, N] (a MatMul's B) whose input x has
+    second moment `hessian` [K, K] = E[x^T x] on a calibration text."""
+    k, n = weight.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"hessian: expected shape ({k}, {k}), got {hessian.shape}")
+    if k % block_size:
+        raise ValueError(f"K {k} is not a multiple of the block size {block_size}")
+    top = (1 << bits) - 1
+    w = torch.from_numpy(np.ascontiguousarray(weight.T, dtype=np.float32)).to(torch.float64)  # [N, K]
+    h = torch.from_numpy(np.ascontiguousarray(hessian, dtype=np.float64)).clone()
+    dead = torch.diagonal(h) == 0  # a channel the text never moved: its rows round alone, their error kept
+    h[dead, dead] = 1.0
+    h += DAMPING * torch.diagonal(h).mean() * torch.eye(k, dtype=torch.float64)
+    upper = _inverse_cholesky(h)  # H^-1 = U^T U, U upper: row k's update weights for the rows after it
+    importance = torch.diagonal(h).to(torch.float32).numpy()
+    codes = np.empty((n, k), np.uint8)
+    scales = np.empty((n, k // block_size), np.float32)
+    zeros = np.empty((n, k // block_size), np.uint8)
+    for start in range(0, k, BATCH):
+        stop = min(start + BATCH, k)
+        rows = w[:, start:stop].clone()  # [N, batch]
+        errors = torch.zeros_like(rows)
+        u = upper[start:stop, start:stop]
+        for i in range(stop - start):
+            at = start + i
+            if at % block_size == 0:  # this block's grid, from its rows as the earlier errors left them
+                group = rows[:, i : i + block_size].to(torch.float32).numpy()
+                _, s, z = search_zero_point(
+                    group, top, None, np.broadcast_to(importance[at : at + block_size], group.shape)
+                )
+                scales[:, at // block_size], zeros[:, at // block_size] = s, z
+                scale = torch.from_numpy(s).to(torch.float64)
+                zero = torch.from_numpy(z.astype(np.float64))
+                safe = torch.where(scale > 0, scale, 1.0)
+            column = rows[:, i]
+            q = torch.clamp(torch.round(column / safe) + zero, 0, top)
+            codes[:, at] = q.to(torch.uint8).numpy()
+            error = (column - scale * (q - zero)) / u[i, i]
+            rows[:, i:] -= error[:, None] * u[i, i:][None, :]
+            errors[:, i] = error
+        w[:, stop:] -= errors @ upper[start:stop, stop:]
+    packed = codes.reshape(n, -1, block_size)
+    if bits == 4:
+        packed = pack4(packed)
+        zeros = pack4(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
+    return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size)
+
+
+def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
+    """The upper Cholesky factor of H^-1 (GPTQ's Hinv): H^-1 = U^T U."""
+    inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    return torch.linalg.cholesky(inverse, upper=True)

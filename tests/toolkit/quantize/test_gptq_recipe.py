@@ -1,0 +1,141 @@
+"""`toolkit quantize --recipe gptq`: E[x^T x] read from the float model, the calibration text it samples, and the
+recipe end to end on the one-layer decoder of test_quantize.py.
+
+GPTQ's rounding itself is held to its objective in tests/exporters/test_gptq.py; here the second moments are held
+to forward hooks on the float64 model (a second way of reading the same inputs), the sampled text to the float
+model's own likelihood, and the artifact to round-to-nearest's logit error and to its dequantized reference.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from artifact.errors import ConfigError
+from exporters.quantize import (
+    HEAD,
+    GraphWeights,
+    constant_matmul_weights,
+    head_copies,
+    head_copy,
+    prepare_proto,
+    torch_weight,
+)
+from models.artifacts import artifact_config, open_artifact
+from runners.eager import model_from_artifact
+from tests.toolkit.quantize.planted import export_planted, planted_model
+from tests.toolkit.quantize.test_quantize import ort_logits, quantized, source  # noqa: F401 (fixtures)
+from tests.toolkit.test_cli import assert_user_error, invoke
+from toolkit.check.crosscheck import cross_check
+from toolkit.quantize import sensitivity
+from toolkit.quantize.importance import hessians
+from toolkit.quantize.sensitivity import calibration, calibration_ids, sampled_calibration, weights_of
+
+pytestmark = pytest.mark.slow
+
+
+def test_hessians_are_the_second_moments_of_each_weights_input(tmp_path):
+    """hessians(): for each MatMul B, E[x^T x] over the calibration text of the input its torch weight reads,
+    equal to forward pre-hooks' on the float64 model (q_proj, o_proj and the tied head, called as modules); the
+    tied head's B, a folded transpose the weight map does not name, only when passed as `also`."""
+    artifact = open_artifact(export_planted(tmp_path / "float", 1, [0, 32], 0.01))
+    graph = artifact.graphs[0]
+    proto = onnx.load(graph.model_path)
+    weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path)
+    prepared, folded = prepare_proto(proto, weights)
+    matmul_b = set(constant_matmul_weights(prepared, weights))
+    source_map = graph.entry.data["weights"]
+    head_b = head_copy(
+        head_copies(weights, matmul_b, torch_weight(weights, source_map[HEAD])), torch_weight(weights, source_map[HEAD])
+    )
+    assert head_b is not None and head_b not in weights_of(matmul_b, source_map, folded, head=True)
+    with pytest.raises(ConfigError, match=f"MatMul weight {head_b} holds no weight"):
+        hessians(calibration(artifact), matmul_b, source_map, folded)
+    found = hessians(calibration(artifact), matmul_b, source_map, folded, {head_b: HEAD})
+    held = weights_of(matmul_b, source_map, folded, head=True)
+    held[head_b] = [{"name": HEAD}]
+    assert set(found) == set(held) == matmul_b
+    config, model = planted_model(1, [0, 32], 0.01, torch.float64)
+    seen = {}
+    for name, module in model.named_modules():
+        if name.endswith(("q_proj", "o_proj", "lm_head")):
+            module.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[0]))
+    with torch.no_grad():
+        model(torch.tensor([calibration_ids(artifact, config)]))
+    by_name = {e["name"]: b for b, entries in held.items() for e in entries}
+    assert len(seen) == 5
+    for name, x in seen.items():
+        flat = x.reshape(-1, x.shape[-1]).numpy()
+        want = flat.T @ flat / len(flat)
+        got = found[by_name[f"{name}.weight"]]
+        assert got.shape == want.shape == (flat.shape[1], flat.shape[1])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max(), err_msg=name)
+
+
+def test_the_sampled_calibration_text_is_the_float_models_own(source):  # noqa: F811
+    """rows x tokens ids, each row opening with a slice of the calibration text and continued by sampling the float
+    model: the same for the same seed, and far likelier under the float model (eager, float64 softmax) than ids
+    drawn uniformly."""
+    config = artifact_config(source)
+    base = calibration(source)
+    sampled = sampled_calibration(source, base, 4, 40)
+    ids = sampled.feed["input_ids"]
+    assert ids.shape == (4, 40) and ids.dtype == np.int64 and 0 <= ids.min() and ids.max() < config.vocab_size
+    assert np.array_equal(ids, sampled_calibration(source, base, 4, 40).feed["input_ids"])
+    text = base.feed["input_ids"][0].tolist()
+    piece = len(text) // 4
+    for i, row in enumerate(ids):
+        assert row[:piece].tolist() == text[i * piece : (i + 1) * piece]
+    model = model_from_artifact(source).double().eval()
+
+    def mean_log_likelihood(rows):
+        with torch.no_grad():
+            logits = model(torch.from_numpy(rows))["logits"].double()
+        log_probs = torch.log_softmax(logits[:, piece - 1 : -1], dim=-1)
+        return float(log_probs.gather(-1, torch.from_numpy(rows[:, piece:, None])).mean())
+
+    uniform = np.random.default_rng(0).integers(0, config.vocab_size, ids.shape)
+    uniform[:, :piece] = ids[:, :piece]
+    assert mean_log_likelihood(ids) > mean_log_likelihood(uniform) + 0.5
+
+
+def test_the_gptq_recipe_is_closer_to_float_than_round_to_nearest(source, quantized, tmp_path, monkeypatch):  # noqa: F811
+    """--recipe gptq: round-to-nearest's layout (uint8 zero points, no offsets), logits nearer the float model's
+    than rtn's, and the artifact checks against its dequantized reference with cached decode steps."""
+    target, report = tmp_path / "gptq", tmp_path / "gptq.json"
+    options = ("--recipe", "gptq", "--bits", 4, "--accuracy-level", 0, "--greedy-tokens", 4)
+    result = invoke("quantize", source.directory, *options, "--out", target, "--json", report)
+    assert result.exit_code == 0 and "(block 32, gptq," in result.stdout, result.output
+    artifact = open_artifact(target)
+    made = artifact.manifest.quantization
+    assert made["quantizer"]["tool"] == "exporters.gptq" and "GPTQ" in made["quantizer"]["algorithm"]
+    proto = onnx.load(str(artifact.model_path))
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert nodes and not [i for i in proto.graph.initializer if i.name.endswith("_offsets")]
+    assert all(len(n.input) > 3 and n.input[3] for n in nodes)  # integer zero points, as rtn's
+    # Held-out text of the kind GPTQ calibrates on: the float model's own, sampled with another seed. (On
+    # uniform random ids, which this random model never writes, GPTQ is no better than rtn.)
+    with monkeypatch.context() as patch:
+        patch.setattr(sensitivity, "SAMPLING_SEED", 1)
+        held_out = sampled_calibration(source, calibration(source), 8, 48).feed["input_ids"]
+    float_logits = ort_logits(source, held_out)
+    error = {
+        "gptq": np.abs(ort_logits(artifact, held_out) - float_logits).mean(),
+        "rtn": np.abs(ort_logits(quantized[4][0], held_out) - float_logits).mean(),
+    }
+    assert error["gptq"] < error["rtn"], error
+    assert json.loads(report.read_text())["quality"]["logits_mean_abs"] > 0
+    check = cross_check(artifact, ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
+    assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
+
+
+def test_the_gptq_recipe_needs_bits_and_a_k_its_blocks_divide(source, tmp_path):  # noqa: F811
+    out = tmp_path / "q"
+    assert_user_error(invoke("quantize", source.directory, "--recipe", "gptq", "--out", out), "--bits is required")
+    result = invoke("quantize", source.directory, "--recipe", "gptq", "--bits", 4, "--block-size", 128, "--out", out)
+    assert_user_error(result, "--recipe gptq: MatMul weight", "not a multiple of --block-size 128")
+    assert not out.exists()
