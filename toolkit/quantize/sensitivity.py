@@ -176,7 +176,7 @@ def sampled_calibration(source, calibrated: Calibration, rows: int, tokens: int)
     toolkit. Rows are cut to the model's context where it is shorter than `tokens`."""
     from models.artifacts import artifact_config
     from models.registry import lm_defaults
-    from runners.decoding.generate import CachedLM
+    from runners.decoding.generate import CachedLM, Sampler, Sampling
     from runners.registry import create_runner
 
     tokens = min(tokens, artifact_config(source).max_positions)
@@ -184,13 +184,10 @@ def sampled_calibration(source, calibrated: Calibration, rows: int, tokens: int)
     piece = max(min(len(text) // rows, tokens - 1), 1)
     ids = np.asarray([(text[i * piece : (i + 1) * piece] + text)[:piece] for i in range(rows)], dtype=np.int64)
     lm = CachedLM(create_runner("ort-cpu", source), tokens)
-    rng = np.random.default_rng(SAMPLING_SEED)
+    sample = Sampler(Sampling(temperature=SAMPLING_TEMPERATURE, seed=SAMPLING_SEED))
     logits = lm.step(ids)[:, -1]
     while ids.shape[1] < tokens:
-        scaled = logits.astype(np.float64) / SAMPLING_TEMPERATURE
-        p = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-        p /= p.sum(axis=1, keepdims=True)
-        chosen = np.array([[rng.choice(p.shape[1], p=row)] for row in p], dtype=np.int64)
+        chosen = np.array([[sample(row)] for row in logits], dtype=np.int64)
         ids = np.concatenate([ids, chosen], axis=1)
         if ids.shape[1] < tokens:
             logits = lm.step(chosen)[:, -1]
