@@ -84,3 +84,15 @@ def test_a_hessian_of_the_wrong_shape_or_a_ragged_k_is_refused():
         gptq_blocks(w, np.eye(100))
     with pytest.raises(ValueError, match="not a multiple of the block size"):
         gptq_blocks(w[:100], np.eye(100))
+
+
+def test_a_calibration_shorter_than_k_does_not_overfit():
+    """128 calibration rows for K = 192 input channels: H is singular and GPTQ could move every rounding error into
+    the directions those rows never visit. With DAMPING (30 % of H's mean diagonal) its held-out output error stays
+    at the search's (measured 0.98x); with GPTQ's usual 1 % it is 1.27x."""
+    w = fixture_weights()
+    calibration, held_out = activations(128, w.shape[0], 1), activations(4096, w.shape[0], 2)
+    hessian = calibration.T @ calibration / len(calibration)
+    searched = kquant_blocks(w, 4, importance=np.diagonal(hessian).astype(np.float32), zero_points="integer")
+    ours = output_error(held_out, w, gptq_blocks(w, hessian, 4).dequantize())
+    assert ours < 1.05 * output_error(held_out, w, searched.dequantize())
