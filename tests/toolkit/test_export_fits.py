@@ -30,9 +30,9 @@ def sparse_checkpoint(directory, rows: int, width: int, dtype: str = "F32") -> N
 
 @pytest.fixture
 def machine_with_24_gib(monkeypatch):
-    import toolkit.check.oracle
+    import toolkit.memory
 
-    monkeypatch.setattr(toolkit.check.oracle, "available_memory", lambda: 24 * GIB)
+    monkeypatch.setattr(toolkit.memory, "available_memory", lambda: 24 * GIB)
 
 
 def test_an_8b_float32_export_is_refused_up_front_with_the_numbers(tmp_path, machine_with_24_gib):

@@ -30,7 +30,7 @@ def probe_buffer_bytes() -> int:
     """Eight times the last-level cache (at least 256 MiB), so that a streaming read comes from memory,
     but at most a quarter of the memory available now: a VM can report its whole socket's cache
     (480 MiB on a 2-core Xeon guest), and a probe must not push the machine into swap."""
-    from toolkit.check.oracle import available_memory
+    from toolkit.memory import available_memory
 
     wanted = max(8 * llc_bytes(), 256 << 20)
     available = available_memory()

@@ -427,21 +427,6 @@ VERIFY_BYTES_PER_PARAMETER = 20
 VERIFY_OVERHEAD_BYTES = 1 << 28
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available now (Linux's MemAvailable), or None where it cannot be told."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def why_not_verify(source: dict, parameters: int) -> str | None:
     """Why `toolkit export --from` skips its default verification (None: verify): not a Hugging Face directory,
     no transformers, or the original would not fit in memory beside the export."""
@@ -449,6 +434,8 @@ def why_not_verify(source: dict, parameters: int) -> str | None:
         return f"transformers loads Hugging Face directories, not {source.get('format')} checkpoints"
     if not transformers_available():
         return f"transformers is not installed ({INSTALL_HINT})"
+    from toolkit.memory import available_memory  # looked up per call, so that tests can set the machine
+
     needed = parameters * VERIFY_BYTES_PER_PARAMETER + VERIFY_OVERHEAD_BYTES
     available = available_memory()
     if available is None:

@@ -55,7 +55,7 @@ def export_memory(parameters: int, stored: str, written: str, lowering: str) -> 
 
 def check_memory(weights: tuple[int, str], dtype: str | None, lowering: str) -> None:
     """Refuse, before reading a weight, an export that cannot fit in this machine's available memory."""
-    from toolkit.check.oracle import available_memory
+    from toolkit.memory import available_memory
 
     parameters, stored = weights
     available = available_memory()

@@ -365,7 +365,7 @@ def _gptq(
     holds a tied head's values, found by head_copies): E[x^T x] of every one's input measured on the sampled
     calibration text (all at once, refused up front when they would not fit in half the memory available), then
     each weight rounded by GPTQ as it is written."""
-    from toolkit.check.oracle import available_memory
+    from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
     for b in sorted(matmul_b):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import toolkit.check.oracle
+import toolkit.memory
 from toolkit.bench import machine
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -13,14 +13,14 @@ MiB, GiB = 1 << 20, 1 << 30
 def test_the_probe_buffer_is_eight_llcs_capped_at_a_quarter_of_available_memory(monkeypatch):
     # A 2-core VM guest that reports its socket's 480 MiB L3.
     monkeypatch.setattr(machine, "llc_bytes", lambda: 480 * MiB)
-    monkeypatch.setattr(toolkit.check.oracle, "available_memory", lambda: 8 * GiB)
+    monkeypatch.setattr(toolkit.memory, "available_memory", lambda: 8 * GiB)
     assert machine.probe_buffer_bytes() == 2 * GiB
-    monkeypatch.setattr(toolkit.check.oracle, "available_memory", lambda: None)
+    monkeypatch.setattr(toolkit.memory, "available_memory", lambda: None)
     assert machine.probe_buffer_bytes() == 3840 * MiB
-    monkeypatch.setattr(toolkit.check.oracle, "available_memory", lambda: 100 * MiB)
+    monkeypatch.setattr(toolkit.memory, "available_memory", lambda: 100 * MiB)
     assert machine.probe_buffer_bytes() == 64 * MiB
     monkeypatch.setattr(machine, "llc_bytes", lambda: 8 * MiB)
-    monkeypatch.setattr(toolkit.check.oracle, "available_memory", lambda: 8 * GiB)
+    monkeypatch.setattr(toolkit.memory, "available_memory", lambda: 8 * GiB)
     assert machine.probe_buffer_bytes() == 256 * MiB
 
 

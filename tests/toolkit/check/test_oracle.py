@@ -319,7 +319,7 @@ def test_export_that_disagrees_with_the_original_fails_and_writes_nothing(export
 
 
 def test_export_skips_verification_it_cannot_do_and_says_why(exports, tmp_path, monkeypatch):
-    import toolkit.check.oracle as oracle
+    import toolkit.memory
     from artifact.format import DEFAULT_LOWERING
     from models.checkpoints import checkpoint_weights
     from toolkit.commands.export import export_memory
@@ -330,7 +330,7 @@ def test_export_skips_verification_it_cannot_do_and_says_why(exports, tmp_path, 
     def export(*args):
         # Room for the export when it starts; once the import holds its share, none is left for the original.
         readings = iter([room])
-        monkeypatch.setattr(oracle, "available_memory", lambda: next(readings, 1024))
+        monkeypatch.setattr(toolkit.memory, "available_memory", lambda: next(readings, 1024))
         return invoke("export", "--from", checkpoint, *args)
 
     misreading_import(monkeypatch)
