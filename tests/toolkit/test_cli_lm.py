@@ -266,11 +266,12 @@ def test_quantize_measures_perplexity_on_a_users_text_window_by_window(artifact_
     assert quality["perplexity_text"] == {
         "file": "text.txt",
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "tokens_in_file": len(ids),
+        "tokens_used": len(ids),
+        "whole_file": True,
         "windows": len(windows),
     }
     assert quality["perplexity_tokens"] == sum(len(w) - 1 for w in windows)
-    assert f"of text.txt: {len(windows)} windows" in result.output
+    assert f"of text.txt: {len(windows)} windows, all {len(ids)} tokens of the file" in result.output
 
     def loss(logits, window):  # numpy: -log softmax at the next token
         logits = np.asarray(logits, dtype=np.float64)[:-1]
@@ -286,6 +287,39 @@ def test_quantize_measures_perplexity_on_a_users_text_window_by_window(artifact_
         [loss(CachedLM(runner, width).step(np.asarray([w], dtype=np.int64))[0], w) for w in windows]
     )
     assert quality["perplexity_quantized"] == pytest.approx(math.exp(quantized.mean()), rel=1e-9)
+
+
+def test_a_long_perplexity_text_is_tokenized_only_as_far_as_the_measured_tokens(artifact_dir, checkpoint, tmp_path):
+    """A file far past PERPLEXITY_TEXT_TOKENS: hashed whole, its first tokens exactly those of tokenizing the whole
+    file (the tokenizers library, not the toolkit), without tokenizing all of it; a bad byte past the measured
+    part is still refused with its offset."""
+    from artifact.errors import ConfigError
+    from models.artifacts import open_artifact
+    from models.tokenizer import TextTokenizer
+    from toolkit.quantize import pipeline
+
+    _, _, tok = checkpoint
+    words = ["the quick brown fox", "jumps over", "the lazy dog", "hello world", "ünïcode text"]
+    text = " ".join(words[i * 7 % 5] for i in range(60_000))  # about 5 x 8192 tokens, 0.9 MB
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    artifact = open_artifact(artifact_dir)
+    encoded = []
+    real = TextTokenizer.encode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TextTokenizer, "encode", lambda self, t: encoded.append(len(t)) or real(self, t))
+        read = pipeline.read_perplexity_text(artifact, path)
+    ids = [tok.token_to_id("<s>"), *tok.encode(text).ids]
+    assert len(ids) > 4 * pipeline.PERPLEXITY_TEXT_TOKENS
+    assert [t for w in read.windows for t in w] == ids[: pipeline.PERPLEXITY_TEXT_TOKENS]
+    assert read.report()["whole_file"] is False and read.report()["tokens_used"] == pipeline.PERPLEXITY_TEXT_TOKENS
+    assert read.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert max(encoded) < len(text) / 4  # a prefix, not the file
+
+    data = path.read_bytes()
+    path.write_bytes(data[:-10] + b"\xff" + data[-9:])
+    with pytest.raises(ConfigError, match=rf"is not UTF-8 text \(byte {len(data) - 10}: b'\\xff'\)"):
+        pipeline.read_perplexity_text(artifact, path)
 
 
 def test_quantize_perplexity_text_errors_are_user_errors(artifact_dir, exported, tmp_path):

@@ -193,7 +193,8 @@ def command(
 def _text_source(text) -> str:
     if not isinstance(text, dict):
         return ""
-    return f" of {text['file']}: {text['windows']} windows, {text['tokens_in_file']} tokens in the file"
+    which = "all" if text["whole_file"] else "the first"
+    return f" of {text['file']}: {text['windows']} windows, {which} {text['tokens_used']} tokens of the file"
 
 
 def _slow_at_level_0(tensors) -> bool:

@@ -72,6 +72,10 @@ GREEDY_TOKENS = 16
 # text above is 52 tokens with SmolLM2's tokenizer: too few to tell recipes a few percent apart.
 PERPLEXITY_WINDOW = 512
 PERPLEXITY_TEXT_TOKENS = 8192
+# Tokens past the measured ones that the tokenized prefix must reach: the word cut at the prefix's end can only
+# change the last few tokens, and those are not measured.
+PERPLEXITY_TEXT_SLACK = 64
+PERPLEXITY_TEXT_CHUNK = 1 << 16  # bytes read (hashed, decoded) at a time; tokenizing retries as the prefix grows
 SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 
 
@@ -457,22 +461,34 @@ def _serialise(manifest: dict, protos: dict, extra: dict[str, bytes], pending: P
 
 @dataclass
 class PerplexityText:
-    """A --perplexity-text file as the quality report measures it: its token ids cut into windows."""
+    """A --perplexity-text file as the quality report measures it: its first token ids cut into windows."""
 
     name: str
-    sha256: str
-    tokens: int  # in the whole file
+    sha256: str  # of the whole file
+    tokens: int  # the file's first tokens that the windows were cut from
+    whole_file: bool  # False: the file goes on past those tokens, and was tokenized only a little further
     windows: list[list[int]]
 
     def report(self) -> dict:
-        return {"file": self.name, "sha256": self.sha256, "tokens_in_file": self.tokens, "windows": len(self.windows)}
+        return {
+            "file": self.name,
+            "sha256": self.sha256,
+            "tokens_used": self.tokens,
+            "whole_file": self.whole_file,
+            "windows": len(self.windows),
+        }
 
 
 def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
     """The file at `path` tokenized by `artifact`'s tokenizer (BOS first where it adds one), its first
     PERPLEXITY_TEXT_TOKENS tokens cut into windows of PERPLEXITY_WINDOW (or the model's context, if shorter);
-    a last window of one token, which predicts nothing, is dropped. ConfigError for an artifact without a
-    tokenizer, a file that is not UTF-8 text, or one of fewer than two tokens."""
+    a last window of one token, which predicts nothing, is dropped. The whole file is hashed and checked to be
+    UTF-8 a chunk at a time, but only as much of it is tokenized as the measured tokens need (a prefix that
+    gives PERPLEXITY_TEXT_SLACK more, so that the cut moves none of them), so a large file costs a read, not
+    its tokenization. ConfigError for an artifact without a tokenizer, a file that is not UTF-8 text, or one of
+    fewer than two tokens."""
+    import codecs
+
     from models.tokenizer import TextTokenizer
 
     path = Path(path)
@@ -482,16 +498,33 @@ def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
             f"--perplexity-text: {artifact.location} has no tokenizer.json to tokenize {path} with; export it from "
             "a checkpoint with a tokenizer, or leave --perplexity-text out (the report then uses fixed token ids)"
         )
+    tokenizer = TextTokenizer.from_artifact(directory)
+    wanted = PERPLEXITY_TEXT_TOKENS + PERPLEXITY_TEXT_SLACK
+    digest, decoder = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")()
+    pieces, ids, offset = [], None, 0
     try:
-        data = path.read_bytes()
-        text = data.decode("utf-8")
+        with open(path, "rb") as handle:
+            while True:
+                chunk = handle.read(PERPLEXITY_TEXT_CHUNK)
+                digest.update(chunk)
+                pending = len(decoder.getstate()[0])
+                try:
+                    piece = decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as exc:
+                    at = offset - pending + exc.start
+                    bad = exc.object[exc.start : exc.start + 1]
+                    raise ConfigError(f"--perplexity-text: {path} is not UTF-8 text (byte {at}: {bad!r})") from None
+                offset += len(chunk)
+                if ids is None:
+                    pieces.append(piece)
+                    if not chunk:
+                        ids, whole = tokenizer.encode("".join(pieces)), True
+                    elif len(prefix := tokenizer.encode("".join(pieces))) >= wanted:
+                        ids, whole = prefix, False
+                if not chunk:
+                    break
     except OSError as exc:
         raise ConfigError(f"--perplexity-text: cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"--perplexity-text: {path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r})"
-        ) from None
-    ids = TextTokenizer.from_artifact(directory).encode(text)
     if len(ids) < 2:
         raise ConfigError(f"--perplexity-text: {path} is {len(ids)} token(s); perplexity needs at least 2")
     width = max(min(PERPLEXITY_WINDOW, artifact_config(artifact).max_positions), 2)
@@ -499,7 +532,7 @@ def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
     windows = [kept[i : i + width] for i in range(0, len(kept), width)]
     if len(windows[-1]) < 2:
         windows.pop()
-    return PerplexityText(path.name, hashlib.sha256(data).hexdigest(), len(ids), windows)
+    return PerplexityText(path.name, digest.hexdigest(), len(kept), whole and len(ids) == len(kept), windows)
 
 
 def evaluate_quality(
