@@ -10,7 +10,7 @@ issue 16 targets (at most 1.3x).
 --from PATH exports that checkpoint instead (its weight bytes are the data file's size), --lowering and --dtype
 are the export's, and --repeats N runs the export N times, each in a fresh child, reporting the median.
 --baseline DIR (a worktree of another commit) also exports with that commit's code in every round, the order
-alternating, and reports the median and spread of the per-round peak ratios:
+alternating, and reports the median and spread of the per-round peak and wall-time ratios:
 
     git worktree add /tmp/before e1ed432
     .venv/bin/python benchmarks/export_memory.py --from /tmp/rs/llama-3.2-1b/hf --dtype bfloat16 --repeats 3 \
@@ -108,6 +108,7 @@ def main() -> None:
     compared = {}
     if args.baseline:
         ratios = [r["peak_rss_bytes"] / r["baseline"]["peak_rss_bytes"] for r in runs]
+        seconds = [r["export_seconds"] / r["baseline"]["export_seconds"] for r in runs]
         base_peak = statistics.median(r["baseline"]["peak_rss_bytes"] for r in runs)
         compared = {
             "baseline": str(args.baseline),
@@ -118,6 +119,8 @@ def main() -> None:
             "baseline_peak_rss_over_weights": base_peak / weights,
             "peak_over_baseline_median": statistics.median(ratios),
             "peak_over_baseline_spread": [min(ratios), max(ratios)],
+            "seconds_over_baseline_median": statistics.median(seconds),
+            "seconds_over_baseline_spread": [min(seconds), max(seconds)],
         }
     result = {
         "command": " ".join([".venv/bin/python", *sys.argv]),

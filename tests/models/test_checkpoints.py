@@ -735,6 +735,36 @@ def test_gguf_without_tokenizer_imports_weights_only(tmp_path, bpe):
     assert_close_f32(our_logits(imported.model, ids), hf_logits(hf, ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_finiteness_check_agrees_with_isfinite_value_by_value(dtype):
+    """_all_finite reads a sum first: a finite sum clears the tensor, anything else is settled value by value. Large
+    finite values whose sum overflows are finite (float16's 60000s overflow a float16 sum; float32's 3e38s a float32
+    one); NaN, either infinity and both together are not; oracle: torch.isfinite on every value."""
+    from models.checkpoints.loading import _all_finite
+
+    big = torch.finfo(dtype).max / 2
+    cases = {
+        "random": torch.randn(1000, 3),
+        "empty": torch.empty(0, 4),
+        "overflowing sum": torch.full((64,), big, dtype=torch.float64),
+        "opposite overflowing sums": torch.tensor([big, big, -big, -big] * 8, dtype=torch.float64),
+    }
+    for position in (0, 2999):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            tensor = torch.randn(1000, 3)
+            tensor.view(-1)[position] = bad
+            cases[f"{bad} at {position}"] = tensor
+        tensor = torch.randn(1000, 3)
+        tensor.view(-1)[position], tensor.view(-1)[1500] = float("inf"), -float("inf")
+        cases[f"inf and -inf at {position}"] = tensor
+    for name, tensor in cases.items():
+        tensor = tensor.to(dtype)
+        expected = bool(torch.isfinite(tensor).all())
+        assert _all_finite(tensor) is expected, name
+        assert _all_finite(tensor.T if tensor.dim() == 2 else tensor) is expected, name
+    assert not all(_all_finite(t.to(dtype)) for t in cases.values())  # the NaN cases are among them
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weights_are_refused_naming_the_weight(tmp_path, bpe, value):
     hf = gguf_llama(bpe, seed=3)
