@@ -84,7 +84,7 @@ def export_model(
     variant: str = "stages",
     preset: str | None = None,
     seed: int | None = None,
-    source: dict | None = None,
+    source: dict | Callable[[], dict] | None = None,
     extra_files: dict[str, bytes] | None = None,
     lowering: str = lowerings.DEFAULT_LOWERING,
     dtype: str = "float32",
@@ -98,7 +98,8 @@ def export_model(
     after the one-block traces, which need only the config: the trace's working memory is then given back
     before the weights take theirs, so the two do not add up in the export's peak.
 
-    source: where the weights came from (an imported checkpoint); extra_files: more files for the
+    source: where the weights came from (an imported checkpoint), or a function returning it, called when the
+    manifest is written (the checkpoint's hashes, computed meanwhile on another thread); extra_files: more files for the
     artifact (the tokenizer), written in the same atomic swap and hashed in the manifest.
     lowering: "functions" (custom ops with function bodies), "standard" (opset 23) or "ort"
     (ONNX Runtime's com.microsoft kernels); see exporters/lowerings.py.
@@ -210,7 +211,7 @@ def export_model(
         "dtype": dtype,
         "custom_ops": sorted(used),
         "graphs": entries,
-        "source": source,
+        "source": source() if callable(source) else source,
         "extra_files": {name: sha256_bytes(data) for name, data in (extra_files or {}).items()},
         "versions": _versions(),
     }

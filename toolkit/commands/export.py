@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import click
@@ -185,17 +187,22 @@ def command(
         progress(f"checked its config and tensors ({imported.config.layers} layers)")
         dtype, dtype_note = checkpoint_dtype(imported.source.get("dtype"), dtype)
         extra = imported.tokenizer.files() if imported.tokenizer else {}
-        source = recorded_source(imported.source, checkpoint)
-        if verify and source.get("format") != "huggingface":
+        if verify and imported.source.get("format") != "huggingface":
             raise ConfigError(
                 f"--verify loads the original with transformers, which reads Hugging Face directories, not "
-                f"{source.get('format')} checkpoints; drop --verify"
+                f"{imported.source.get('format')} checkpoints; drop --verify"
             )
         skip = None
         if verify is None:
-            skip = why_not_verify(source, stored_weights[0])
+            skip = why_not_verify(imported.source, stored_weights[0])
         elif verify:
             import_transformers()  # --verify without transformers: say how to get it, before the export
+        # The checkpoint's files are hashed for the manifest on a thread of their own while the export traces and
+        # writes: hashlib and file reads release the GIL, so with a second core the hashing adds no wall time. The
+        # context goes along, so that its progress lines still show.
+        hashing = ThreadPoolExecutor(1, thread_name_prefix="hash-checkpoint")
+        hashed = hashing.submit(contextvars.copy_context().run, recorded_source, imported.source, checkpoint)
+        hashing.shutdown(wait=False)
 
         def write(target):
             return export_model(
@@ -204,7 +211,7 @@ def command(
                 imported.config,
                 target,
                 variant=variant or "serving",
-                source=source,
+                source=hashed.result,
                 extra_files=extra,
                 lowering=lowering,
                 dtype=dtype,
@@ -216,7 +223,7 @@ def command(
         if verify is False or skip is not None:
             artifact = write(out_dir)
         else:
-            artifact, verified = verified_export(write, out_dir, Path(source["path"]))
+            artifact, verified = verified_export(write, out_dir, Path(checkpoint).resolve())
         label = f"{checkpoint} ({imported.source['format']} {imported.source['architecture']})"
     else:
         if verify:
