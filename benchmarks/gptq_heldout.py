@@ -2,8 +2,8 @@
 
 `--recipe gptq` measures H = E[x^T x] on 2048 tokens the float model writes; that is close to singular for a
 K of 1536 (SmolLM2's down projections), and GPTQ can then fit those tokens rather than the model's inputs. This
-script takes the off-grid SmolLM2 of benchmarks/recipes_offgrid.py (its `noise-0.08/hf` directory), samples 8 x 256
-tokens with transformers (temperature 0.9, seeded) as the calibration text, reads H of four weights of the chosen
+script takes the off-grid SmolLM2 of benchmarks/recipes_offgrid.py (its `noise-0.08/hf` directory), samples --rows
+(default 8) x 256 tokens with transformers (temperature 0.9, seeded) as the calibration text, reads H of four weights of the chosen
 layers with forward pre-hooks on it and on two held-out texts (the first 2048 tokens of each --text file), and
 for each damping reports GPTQ's output error tr((W - Q)^T H (W - Q)) over the k-quant search's (integer zero
 points, weighted by the calibration H's diagonal): below 1 is better than the search. Deterministic; no timing.
@@ -11,6 +11,7 @@ points, weighted by the calibration H's diagonal): below 1 is better than the se
     .venv/bin/python benchmarks/gptq_heldout.py --checkpoint /tmp/offgrid/noise-0.08/hf \
         --text /usr/share/common-licenses/GPL-3 --text /usr/lib/python3.11/pydoc_data/topics.py \
         --json benchmarks/results/2026-12-03-gptq-heldout.json
+    .venv/bin/python benchmarks/gptq_heldout.py ... --rows 32 --json benchmarks/results/2026-12-03-gptq-heldout-8k.json
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def main() -> int:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--text", type=Path, action="append", required=True)
     parser.add_argument("--layers", default="5,20")
+    parser.add_argument(
+        "--rows", type=int, default=8, help="calibration sequences of 256 tokens, a multiple of 8 (default 8)"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,10 +74,13 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
     torch.manual_seed(0)
     seeds = torch.tensor([[tokenizer(s).input_ids[0]] for s in SEEDS])
+    if args.rows < len(SEEDS) or args.rows % len(SEEDS):
+        raise SystemExit(f"--rows: a multiple of {len(SEEDS)}")
     with torch.no_grad():
-        calibration = model.generate(
-            seeds, do_sample=True, temperature=0.9, top_k=0, max_new_tokens=255, min_new_tokens=255
-        )
+        calibration = torch.cat([
+            model.generate(seeds, do_sample=True, temperature=0.9, top_k=0, max_new_tokens=255, min_new_tokens=255)
+            for _ in range(args.rows // len(SEEDS))
+        ])  # fmt: skip
     held_out = {}
     for path in args.text:
         ids = tokenizer(path.read_text(), return_tensors="pt").input_ids[0, :2048]
