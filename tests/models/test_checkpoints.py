@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -763,6 +765,23 @@ def test_the_finiteness_check_agrees_with_isfinite_value_by_value(dtype):
         assert _all_finite(tensor) is expected, name
         assert _all_finite(tensor.T if tensor.dim() == 2 else tensor) is expected, name
     assert not all(_all_finite(t.to(dtype)) for t in cases.values())  # the NaN cases are among them
+
+
+def test_the_finiteness_check_of_a_16_bit_weight_holds_no_float32_copy_of_it():
+    """A 256 MiB bfloat16 weight: the check's peak beside it stays under 64 MiB, where a float32 sum of the whole
+    weight would take 512 MiB (measured in a child, whose peak RSS is the weight and the check alone)."""
+    code = (
+        "import resource, sys, torch\n"
+        "from models.checkpoints.loading import _all_finite\n"
+        "w = torch.ones(128 << 20, dtype=torch.bfloat16)\n"
+        "w[-1] = float('inf')\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "assert _all_finite(w) is False and _all_finite(w[:-1]) is True\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) < 64 << 20
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

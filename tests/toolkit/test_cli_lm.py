@@ -263,15 +263,17 @@ def test_quantize_measures_perplexity_on_a_users_text_window_by_window(artifact_
     windows = [ids[i : i + width] for i in range(0, len(ids), width)]
     windows = [w for w in windows if len(w) > 1]
     assert len(windows) >= 3  # several windows, so a report of the first alone differs
+    used = sum(len(w) for w in windows)
     assert quality["perplexity_text"] == {
         "file": "text.txt",
         "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-        "tokens_used": len(ids),
-        "whole_file": True,
+        "tokens_used": used,
+        "whole_file": used == len(ids),
         "windows": len(windows),
     }
     assert quality["perplexity_tokens"] == sum(len(w) - 1 for w in windows)
-    assert f"of text.txt: {len(windows)} windows, all {len(ids)} tokens of the file" in result.output
+    which = "all" if used == len(ids) else "the first"
+    assert f"of text.txt: {len(windows)} windows, {which} {used} tokens of the file" in result.output
 
     def loss(logits, window):  # numpy: -log softmax at the next token
         logits = np.asarray(logits, dtype=np.float64)[:-1]
@@ -331,6 +333,73 @@ def test_quantize_perplexity_text_errors_are_user_errors(artifact_dir, exported,
     short.write_text("")
     assert_user_error(invoke("quantize", artifact_dir, *args, short), "short.txt is 1 token(s)")
     assert_user_error(invoke("quantize", artifact_dir, *args, tmp_path / "missing.txt"), "cannot read", "missing")
+    assert_user_error(invoke("quantize", artifact_dir, *args, "/dev/zero"), "/dev/zero is not a regular file")
     lone = exported("decoder-small", "serving").directory
     assert_user_error(invoke("quantize", lone, *args, binary), "has no tokenizer.json to tokenize")
     assert not (tmp_path / "q").exists()
+
+
+def test_a_failing_export_exits_at_once_while_the_checkpoint_is_still_being_hashed(checkpoint, tmp_path):
+    """`export --from` hashes the checkpoint on a thread beside the export. When the export fails (here: --out is a
+    directory of the user's that is not an artifact) the command prints its one line and exits 2 at once, not after
+    a hash that would take a minute more (the hash is slowed to a minute; its thread must not hold the exit)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("not an artifact")
+    code = (
+        "import sys, time\n"
+        "import toolkit.check.oracle as oracle\n"
+        "hashes = oracle.checkpoint_hashes\n"
+        "oracle.checkpoint_hashes = lambda directory: (time.sleep(60), hashes(directory))[1]\n"
+        "from toolkit.cli import main\n"
+        "sys.argv[0] = 'toolkit'\n"
+        "main()\n"
+    )
+    command = [sys.executable, "-c", code, "export", "--from", str(checkpoint[0]), "--out", str(out), "--no-verify"]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=180)
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert elapsed < 40, f"exited {elapsed:.0f} s after starting: it waited for the hash"
+    assert (out / "notes.txt").read_text() == "not an artifact"
+
+
+def test_a_perplexity_text_prefix_is_taken_only_once_a_longer_one_agrees(tmp_path, monkeypatch):
+    """A BPE whose merges cascade from the right: a chain of 1201 characters cut by the first 64 KiB chunk
+    tokenizes differently cut and whole, and that changes measured tokens far before the cut (about 225 of them
+    here). The prefix is taken only once one a chunk longer gives the same measured tokens, so the measured
+    tokens are the whole file's (the tokenizers library on the whole text)."""
+    import types
+
+    from toolkit.quantize import pipeline
+
+    chain = [chr(0x4E00 + i) for i in range(1201)]
+    vocab = {c: i for i, c in enumerate(chain)}
+    merges = [(chain[i], chain[i + 1]) for i in reversed(range(len(chain) - 1))]  # the rightmost pair first
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    for run in ("x", "xx", "xxxx", "xxxxxxxx"):
+        vocab[run] = len(vocab)
+    merges += [("x", "x"), ("xx", "xx"), ("xxxx", "xxxx")]
+    directory = tmp_path / "artifact"
+    directory.mkdir()
+    Tokenizer(models.BPE(vocab=vocab, merges=merges)).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos": False, "chat_template": None}))
+    monkeypatch.setattr(pipeline, "artifact_config", lambda artifact: types.SimpleNamespace(max_positions=512))
+    filler = "x" * 63736  # 7967 tokens of 8 characters, then the chain, cut by the first chunk after 600 of it
+    text = filler + "".join(chain) + "x" * 200_000
+    assert len((filler + "".join(chain[:600])).encode()) == pipeline.PERPLEXITY_TEXT_CHUNK
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    read = pipeline.read_perplexity_text(types.SimpleNamespace(directory=directory, location=str(directory)), path)
+    whole = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    cut = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text[: len(filler) + 600]).ids
+    assert cut[: pipeline.PERPLEXITY_TEXT_TOKENS] != whole[: pipeline.PERPLEXITY_TEXT_TOKENS]  # the cascade
+    assert [t for w in read.windows for t in w] == whole[: pipeline.PERPLEXITY_TEXT_TOKENS]
+    assert read.report()["whole_file"] is False

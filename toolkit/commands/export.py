@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextvars
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 
 import click
@@ -198,11 +198,8 @@ def command(
         elif verify:
             import_transformers()  # --verify without transformers: say how to get it, before the export
         # The checkpoint's files are hashed for the manifest on a thread of their own while the export traces and
-        # writes: hashlib and file reads release the GIL, so with a second core the hashing adds no wall time. The
-        # context goes along, so that its progress lines still show.
-        hashing = ThreadPoolExecutor(1, thread_name_prefix="hash-checkpoint")
-        hashed = hashing.submit(contextvars.copy_context().run, recorded_source, imported.source, checkpoint)
-        hashing.shutdown(wait=False)
+        # writes: hashlib and file reads release the GIL, so with a second core the hashing adds no wall time.
+        hashed = Background(recorded_source, imported.source, checkpoint)
 
         def write(target):
             return export_model(
@@ -283,3 +280,29 @@ def command(
         layout = kv_cache_layout(artifact, triton_cache)
         cache = f", KV cache on the {layout}" if layout else ""
         click.echo(f"wrote Triton model {name!r} to {target} ({triton_device}, {triton_instances} instance(s){cache})")
+
+
+class Background:
+    """fn(*args) on a daemon thread, in a copy of the caller's context (so that its progress lines show); result()
+    waits for it and returns its value or raises its exception. Daemon: a command that fails or is interrupted
+    exits at once instead of waiting for the work it no longer needs (an executor's threads are joined at exit)."""
+
+    def __init__(self, fn, *args):
+        self._done = threading.Event()
+        self._value, self._error = None, None
+        context = contextvars.copy_context()
+        threading.Thread(target=self._run, args=(context, fn, args), name=fn.__name__, daemon=True).start()
+
+    def _run(self, context, fn, args) -> None:
+        try:
+            self._value = context.run(fn, *args)
+        except BaseException as exc:  # handed to the caller of result(), whatever it is
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value

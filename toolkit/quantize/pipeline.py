@@ -72,8 +72,8 @@ GREEDY_TOKENS = 16
 # text above is 52 tokens with SmolLM2's tokenizer: too few to tell recipes a few percent apart.
 PERPLEXITY_WINDOW = 512
 PERPLEXITY_TEXT_TOKENS = 8192
-# Tokens past the measured ones that the tokenized prefix must reach: the word cut at the prefix's end can only
-# change the last few tokens, and those are not measured.
+# Tokens past the measured ones that a tokenized prefix must reach before it is taken (and a prefix one chunk longer
+# must agree on the measured ones): the word cut at the prefix's end changes only tokens near it.
 PERPLEXITY_TEXT_SLACK = 64
 PERPLEXITY_TEXT_CHUNK = 1 << 16  # bytes read (hashed, decoded) at a time; tokenizing retries as the prefix grows
 SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
@@ -483,11 +483,13 @@ def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
     """The file at `path` tokenized by `artifact`'s tokenizer (BOS first where it adds one), its first
     PERPLEXITY_TEXT_TOKENS tokens cut into windows of PERPLEXITY_WINDOW (or the model's context, if shorter);
     a last window of one token, which predicts nothing, is dropped. The whole file is hashed and checked to be
-    UTF-8 a chunk at a time, but only as much of it is tokenized as the measured tokens need (a prefix that
-    gives PERPLEXITY_TEXT_SLACK more, so that the cut moves none of them), so a large file costs a read, not
-    its tokenization. ConfigError for an artifact without a tokenizer, a file that is not UTF-8 text, or one of
-    fewer than two tokens."""
+    UTF-8 a chunk at a time, but only as much of it is tokenized as the measured tokens need, so a large file costs
+    a read, not its tokenization: a prefix is taken once it gives PERPLEXITY_TEXT_SLACK tokens more than those and
+    a prefix one chunk longer gives the same measured tokens (a BPE merge can reach back from where the text is
+    cut). ConfigError for an artifact without a tokenizer, a path that is not a regular file, a file that is not
+    UTF-8 text, or one of fewer than two tokens."""
     import codecs
+    import stat
 
     from models.tokenizer import TextTokenizer
 
@@ -499,10 +501,12 @@ def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
             "a checkpoint with a tokenizer, or leave --perplexity-text out (the report then uses fixed token ids)"
         )
     tokenizer = TextTokenizer.from_artifact(directory)
-    wanted = PERPLEXITY_TEXT_TOKENS + PERPLEXITY_TEXT_SLACK
+    wanted, measured = PERPLEXITY_TEXT_TOKENS + PERPLEXITY_TEXT_SLACK, PERPLEXITY_TEXT_TOKENS
     digest, decoder = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")()
-    pieces, ids, offset = [], None, 0
+    pieces, ids, candidate, offset = [], None, None, 0
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device (/dev/zero) would be read forever
+            raise ConfigError(f"--perplexity-text: {path} is not a regular file; give a text file")
         with open(path, "rb") as handle:
             while True:
                 chunk = handle.read(PERPLEXITY_TEXT_CHUNK)
@@ -520,7 +524,9 @@ def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
                     if not chunk:
                         ids, whole = tokenizer.encode("".join(pieces)), True
                     elif len(prefix := tokenizer.encode("".join(pieces))) >= wanted:
-                        ids, whole = prefix, False
+                        if candidate is not None and candidate[:measured] == prefix[:measured]:
+                            ids, whole = prefix, False
+                        candidate = prefix
                 if not chunk:
                     break
     except OSError as exc:
@@ -528,11 +534,12 @@ def read_perplexity_text(artifact: Artifact, path) -> PerplexityText:
     if len(ids) < 2:
         raise ConfigError(f"--perplexity-text: {path} is {len(ids)} token(s); perplexity needs at least 2")
     width = max(min(PERPLEXITY_WINDOW, artifact_config(artifact).max_positions), 2)
-    kept = ids[:PERPLEXITY_TEXT_TOKENS]
+    kept = ids[:measured]
     windows = [kept[i : i + width] for i in range(0, len(kept), width)]
     if len(windows[-1]) < 2:
         windows.pop()
-    return PerplexityText(path.name, digest.hexdigest(), len(kept), whole and len(ids) == len(kept), windows)
+    used = sum(len(window) for window in windows)
+    return PerplexityText(path.name, digest.hexdigest(), used, whole and len(ids) == used, windows)
 
 
 def evaluate_quality(
