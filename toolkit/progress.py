@@ -22,3 +22,13 @@ class Progress:
     def __call__(self, message: str) -> None:
         if self.enabled:
             print(f"[{self.label} {time.perf_counter() - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def command_progress(label: str, quiet: bool) -> Progress:
+    """The progress of a command with --quiet: its own lines, and the hashing of large files it reads or writes
+    (artifact.hashing.HASH_PROGRESS) under its label, or none of either with --quiet."""
+    from artifact.hashing import HASH_PROGRESS
+
+    progress = Progress(label, quiet)
+    HASH_PROGRESS.set(progress if progress.enabled else None)
+    return progress

@@ -403,3 +403,24 @@ def test_a_perplexity_text_prefix_is_taken_only_once_a_longer_one_agrees(tmp_pat
     assert cut[: pipeline.PERPLEXITY_TEXT_TOKENS] != whole[: pipeline.PERPLEXITY_TEXT_TOKENS]  # the cascade
     assert [t for w in read.windows for t in w] == whole[: pipeline.PERPLEXITY_TEXT_TOKENS]
     assert read.report()["whole_file"] is False
+
+
+def test_the_checkpoint_hashing_lines_of_an_export_carry_its_label_and_quiet_silences_them(checkpoint, tmp_path):
+    """`export --from` hashes the checkpoint's files; every file reports (the size threshold lowered to 0), under
+    [export ...] when progress shows, and nothing shows with --quiet."""
+    import re
+
+    import artifact.hashing
+    from toolkit.progress import PROGRESS_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(artifact.hashing, "PROGRESS_BYTES", 0)
+        patch.setenv(PROGRESS_ENV, "1")
+        args = ("export", "--from", checkpoint[0], "--no-verify")
+        shown = invoke(*args, "--out", tmp_path / "a")
+        assert shown.exit_code == 0, shown.output
+        hashing = [line for line in shown.stderr.splitlines() if "hashed" in line]
+        assert any("model.safetensors" in line for line in hashing), shown.stderr
+        assert all(re.match(r"\[export +[\d.]+ s\] verifying ", line) for line in hashing), shown.stderr
+        quiet = invoke(*args, "--out", tmp_path / "b", "--quiet")
+        assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr

@@ -13,7 +13,7 @@ from exporters.lowerings import DEFAULT_LOWERING, LOWERINGS
 from exporters.onnx_export import VARIANTS, export_model
 from models.presets import get_preset, load_config_file
 from toolkit.check.oracle import import_transformers, recorded_source, verified_export, why_not_verify
-from toolkit.progress import Progress
+from toolkit.progress import command_progress
 
 
 def resolve_model(preset: str | None, config: str | None):
@@ -173,7 +173,7 @@ def command(
     """Export a model to ONNX (graph files + manifest.json) in OUT."""
     if (triton_cache or triton_sequences) and not triton_repo:
         raise ConfigError("--triton-cache and --triton-sequences shape the --triton-repo model; give --triton-repo")
-    progress = Progress("export", quiet)
+    progress = command_progress("export", quiet)
     if checkpoint:
         if preset or config_file:
             raise ConfigError("give --from on its own, not with --preset or --config")

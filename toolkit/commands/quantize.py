@@ -9,7 +9,7 @@ import click
 from exporters.kquant import AUTO_TOLERANCE
 from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
-from toolkit.progress import Progress
+from toolkit.progress import command_progress
 from toolkit.quantize.pipeline import (
     DEFAULT_IMATRIX,
     DEFAULT_ZERO_POINTS,
@@ -132,7 +132,7 @@ def command(
         zero_points=zero_points,
         greedy_tokens=greedy_tokens,
         perplexity_text=perplexity_text,
-        progress=Progress("quantize", quiet),
+        progress=command_progress("quantize", quiet),
     )
     q, made = result.quality, result.artifact.manifest.quantization
     accuracy_level = made["accuracy_level"]
