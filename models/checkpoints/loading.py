@@ -94,14 +94,13 @@ def load_model(family: str, config, state: dict, where, *, assign: bool = False)
     return model.eval()
 
 
-FINITE_CHUNK = 1 << 22  # elements per isfinite call: it allocates float temporaries the size of its input
+FINITE_CHUNK = 1 << 22  # elements per sum (and isfinite) call: each allocates temporaries the size of its input
 
 
 def _all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, a FINITE_CHUNK of values at a time. A chunk's sum is finite only if every
     term is (a NaN makes it NaN, an infinity infinite or NaN, and a partial sum that overflows never comes back),
-    and summing streams at memory speed where isfinite writes a mask the size of its input (about 25x slower
-    here); only a chunk whose sum is not finite, a NaN or infinity or an overflow of large finite values, is
+    and summing streams at memory speed where isfinite writes a mask the size of its input first; only a chunk whose sum is not finite, a NaN or infinity or an overflow of large finite values, is
     settled value by value. Chunks keep a 16-bit weight's float32 accumulation as small as isfinite's mask."""
     flat = tensor.reshape(-1)
     accumulate = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else None

@@ -465,8 +465,8 @@ class PerplexityText:
 
     name: str
     sha256: str  # of the whole file
-    tokens: int  # the file's first tokens that the windows were cut from
-    whole_file: bool  # False: the file goes on past those tokens, and was tokenized only a little further
+    tokens: int  # the file's first tokens that the windows hold
+    whole_file: bool  # False: the file goes on past those tokens (and was tokenized only a little further)
     windows: list[list[int]]
 
     def report(self) -> dict:
