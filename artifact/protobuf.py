@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import onnx
 
+from artifact.spans import FileSpan
+
 WEIGHTLESS_BYTES = 1 << 16  # initializers above this size are checked by type and shape only
 
 
@@ -17,11 +19,27 @@ RAW_DATA_FIELD = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
 
 
 def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearray:
-    """The bytes of model.SerializeToString(), assembled from parts into one buffer.
+    """The bytes of model.SerializeToString(), assembled from serialize_chunks' parts into one buffer."""
+    out, chunks = bytearray(), serialize_chunks(model, raw)
+    chunks.reverse()
+    while chunks:  # each weight let go once in the buffer
+        chunk = chunks.pop()
+        if isinstance(chunk, FileSpan):
+            for data in chunk.chunks():
+                out += data
+        else:
+            out += chunk
+    return out
 
-    raw: {initializer name: its bytes (a buffer)} for initializers that declare no raw_data of their own; each is
-    written as that initializer's raw_data, straight from the buffer (taken from `raw` as it is written, so a
-    graph's weights are never copied into the message and out again), as if the message held it.
+
+def serialize_chunks(model: onnx.ModelProto, raw: dict | None = None) -> list:
+    """The bytes of model.SerializeToString() as a list of chunks, in order: bytes of the message around its
+    initializers' raw data, and each raw_data taken from `raw` as it is (a buffer, or an artifact.spans.FileSpan
+    read from its file when written).
+
+    raw: {initializer name: its bytes} for initializers that declare no raw_data of their own; each is written as
+    that initializer's raw_data, straight from the buffer (taken from `raw` as it is placed, so a graph's
+    weights are never copied into the message and out again), as if the message held it.
 
     protobuf (upb) serialises a model holding hundreds of MB of initializers in seconds, several
     times slower than the same bytes serialised one initializer at a time. Fields go out in
@@ -38,7 +56,7 @@ def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearra
     for field, value in model.graph.ListFields():
         if field is not init_field:
             _copy_field(graph_head if field.number < init_field.number else graph_tail, field, value)
-    out = bytearray(head.SerializeToString())
+    chunks, out = [], bytearray(head.SerializeToString())
     if model.HasField("graph"):
         # The graph's length prefix comes first: sum the initializers' sizes without serialising them.
         outside = _raw_outside(model.graph.initializer, raw or {})
@@ -55,19 +73,23 @@ def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearra
         )
         out += _varint(graph_field.number << 3 | 2) + _varint(graph_size) + graph_head_bytes
         for tensor, size in zip(model.graph.initializer, sizes, strict=False):
-            # One initializer at a time (a few MB), appended to the one buffer (grown in place).
+            # One initializer at a time (a few MB): the message's own bytes gathered, each weight a chunk apart.
             out += init_tag + _varint(size)
             out += tensor.SerializeToString()
             if tensor.name in outside:  # raw_data's field number follows every field such a tensor declares
-                # Dropped from both maps as it is written, so each weight is freed once in the buffer.
+                # Dropped from both maps as it is placed, so each weight is let go once written.
                 del outside[tensor.name]
-                data = memoryview(raw.pop(tensor.name)).cast("B")  # bytes, whatever the buffer's item type
+                data = raw.pop(tensor.name)
+                if not isinstance(data, FileSpan):
+                    data = memoryview(data).cast("B")  # bytes, whatever the buffer's item type
                 out += _varint(RAW_DATA_FIELD << 3 | 2) + _varint(len(data))
-                out += data
+                chunks += [out, data]
+                out = bytearray()
                 del data
         out += graph_tail_bytes
     out += tail.SerializeToString()
-    return out
+    chunks.append(out)
+    return chunks
 
 
 def _raw_outside(initializers, raw: dict) -> dict:
@@ -83,7 +105,7 @@ def _raw_outside(initializers, raw: dict) -> dict:
 
 
 def _raw_field_size(data) -> int:
-    size = memoryview(data).nbytes
+    size = len(data) if isinstance(data, FileSpan) else memoryview(data).nbytes
     return len(_varint(RAW_DATA_FIELD << 3 | 2)) + len(_varint(size)) + size
 
 

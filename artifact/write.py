@@ -23,8 +23,8 @@ import numpy as np
 
 from artifact.errors import ModelFileError, ToolkitError
 from artifact.format import MANIFEST_FILE, METADATA_KEY
-from artifact.hashing import sha256_bytes
-from artifact.protobuf import serialize_model
+from artifact.protobuf import serialize_chunks
+from artifact.spans import FileSpan, sha256_chunks, span_of
 
 EXTERNAL_DATA_ENV = "TOOLKIT_EXTERNAL_DATA_BYTES"
 # A graph whose initializers exceed this many bytes keeps them in an external data file: the protobuf limit of
@@ -39,15 +39,25 @@ PENDING_LOCATION = "<pending>"
 
 
 class PendingWeights(dict):
-    """{initializer name: its bytes as a flat uint8 array}, for initializers marked pending in a graph."""
+    """{initializer name: its bytes as a flat uint8 array, or the FileSpan of a checkpoint file they are read
+    from when written}, for initializers marked pending in a graph."""
 
     def add(self, tensor, array: np.ndarray) -> None:
         """Mark `tensor` (name, data_type and dims set) pending and hold `array`'s bytes for it (no copy when
-        `array` is C-contiguous)."""
+        `array` is C-contiguous). An array that views a mapped checkpoint span whole is held as that span, so
+        the mapping is let go with the array and the bytes are read from the file only as they are written."""
         del tensor.external_data[:]
         tensor.external_data.add(key="location", value=PENDING_LOCATION)
         tensor.data_location = tensor.EXTERNAL
-        self[tensor.name] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self[tensor.name] = span_of(flat) or flat
+
+    def array(self, name: str) -> np.ndarray:
+        """The bytes of `name` as a flat uint8 array (read into memory if they are still a file span)."""
+        held = self[name]
+        if isinstance(held, FileSpan):
+            held = self[name] = np.frombuffer(b"".join(held.chunks()), dtype=np.uint8)
+        return held
 
 
 def is_pending(tensor) -> bool:
@@ -87,9 +97,11 @@ def externalize(proto, location: str, pending: PendingWeights | None = None) -> 
             raw = tensor.raw_data
             tensor.ClearField("raw_data")
         padding = b"\0" * (-size % EXTERNAL_ALIGNMENT)
-        for chunk in (padding, raw):
-            chunks.append(chunk)
-            digest.update(chunk)
+        chunks.append(padding)
+        digest.update(padding)
+        chunks.append(raw)
+        for data in raw.chunks() if isinstance(raw, FileSpan) else (raw,):
+            digest.update(data)
         offset, size = size + len(padding), size + len(padding) + len(raw)
         del tensor.external_data[:]
         for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
@@ -100,7 +112,7 @@ def externalize(proto, location: str, pending: PendingWeights | None = None) -> 
 
 def internalize(proto, pending: PendingWeights | None) -> None:
     """Declare the pending initializers as the graph's own (a graph that keeps its weights inside): their bytes
-    stay in `pending` until serialize_model(proto, pending) writes them as raw_data, straight from there."""
+    stay in `pending` until serialize_chunks(proto, pending) writes them as raw_data, straight from there."""
     for tensor in proto.graph.initializer:
         if is_pending(tensor):
             del tensor.external_data[:]
@@ -155,8 +167,9 @@ def pack_artifact(
         # The embedded manifest comes last: it records the external data's hash.
         embed = dict(embedded(manifest) if embedded is not None else manifest, graph=entry["name"])
         proto.metadata_props.add(key=METADATA_KEY, value=json.dumps(embed, sort_keys=True))
-        data = serialize_model(proto, pending)
-        entry["sha256"] = sha256_bytes(data)
+        # As chunks, weights not joined into one buffer: a mapped checkpoint's are read from their file as written.
+        data = serialize_chunks(proto, pending)
+        entry["sha256"] = sha256_chunks(data)
         files[entry["file"]] = data
         del data, proto
     files.update(extra_files or {})
@@ -237,7 +250,12 @@ def _write_files(tmp: Path, files: dict[str, bytes | list[bytes]], consume: bool
                 # Consumed as written: each tensor's bytes are freed once on disk, not held to the end.
                 data.reverse()
                 while data:
-                    handle.write(data.pop())
+                    chunk = data.pop()
+                    if isinstance(chunk, FileSpan):
+                        chunk.copy_to(handle)
+                    else:
+                        handle.write(chunk)
+                    del chunk
             else:
                 handle.write(data)
             handle.flush()

@@ -286,7 +286,7 @@ class _Rewriter(AttentionLowering):
         tensor = self.inits[name]
         if self.pending is not None and is_pending(tensor):
             dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-            return self.pending[name].view(dtype).reshape(tuple(tensor.dims))  # a view: no copy
+            return self.pending.array(name).view(dtype).reshape(tuple(tensor.dims))  # a view: no copy
         return numpy_helper.to_array(tensor)
 
     def release_replaced(self) -> None:

@@ -13,13 +13,16 @@ import pytest
 from tests.models.test_checkpoints import hf_llama
 
 ROOT = Path(__file__).resolve().parents[1]
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a child forked from the test process would
+# report at least the test process's own resident set at the fork (toolkit.bench.machine.peak_rss_kb).
 CHILD = """
-import json, resource, sys
+import json, sys
 from click.testing import CliRunner
+from toolkit.bench.machine import peak_rss_kb
 from toolkit.cli import main
 result = CliRunner().invoke(main, sys.argv[1:])
 assert result.exit_code == 0, result.output
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"peak": peak_rss_kb() * 1024}))
 """
 
 

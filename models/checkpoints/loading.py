@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from artifact.errors import ModelFileError
+from artifact.spans import release_pages
 from models.registry import build_model
 from models.tokenizer import TextTokenizer
 
@@ -82,6 +83,8 @@ def load_model(family: str, config, state: dict, where, *, assign: bool = False)
                 f"{where}: weight {name!r} holds {bad} non-finite value(s) (NaN/Inf); the checkpoint "
                 "is corrupt or was saved from a diverged model, re-download or re-convert it"
             )
+        if torch.is_tensor(value):  # a weight mapped from its file: the check's touched pages go back
+            release_pages(value)
     tied = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)

@@ -3,9 +3,11 @@
 Layout: u64 little-endian N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
 then the data; offsets are relative to the data and must tile it without overlaps. Every length,
 shape and offset is checked against the file size before a byte of data is read, so no allocation
-is sized by an unchecked field. Each tensor is then read with plain file reads into memory it owns
-(converted to float32 at once): a memory-mapped file would add its touched pages to the process's
-resident set beside the converted copy, doubling the peak of importing a multi-GB checkpoint.
+is sized by an unchecked field. A tensor read as stored (float32, or float16/bfloat16 kept) of at least
+MAP_MIN_BYTES is a view of a private mapping of its own file pages (artifact.spans): resident only while read,
+and exported by copying its file range. Any other is read with plain file reads into memory it owns (converted
+to float32 at once): a mapping would add its touched pages to the process's resident set beside the converted
+copy, doubling the peak of importing a multi-GB checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from artifact.errors import ModelFileError
 from artifact.jsonfile import read_json
+from artifact.spans import FileSpan, map_span
 
 # safetensors dtypes read here (bytes per element); others (F8, complex, ...) are refused by name.
 SAFETENSORS_DTYPES = {
@@ -67,8 +70,12 @@ def read_safetensors(
                         continue
                     dtype = TORCH_DTYPES[info["dtype"]]
                     if dtype.is_floating_point:
-                        kept = keep_dtype and dtype in (torch.float16, torch.bfloat16)
-                        tensor = (_read_tensor if kept else _read_float32)(handle, data_start, info)
+                        kept = dtype == torch.float32 or (keep_dtype and dtype in (torch.float16, torch.bfloat16))
+                        tensor = (
+                            _map_tensor(file, data_start, info)
+                            if kept and _mappable(data_start, info)
+                            else (_read_tensor if kept else _read_float32)(handle, data_start, info)
+                        )
                         if stored is not None:
                             kind = str(dtype).removeprefix("torch.")
                             stored[kind] = stored.get(kind, 0) + tensor.numel()
@@ -119,6 +126,23 @@ def _read_float32(handle, data_start: int, info: dict) -> torch.Tensor:
             raise OSError(f"short read at byte {data_start + begin + first * width}")
         flat[first : first + count] = torch.frombuffer(buffer, dtype=dtype)
     return out
+
+
+MAP_MIN_BYTES = 1 << 16  # smaller tensors (norms, biases) are read: a mapping per tensor would cost more
+
+
+def _mappable(data_start: int, info: dict) -> bool:
+    begin, end = info["data_offsets"]
+    return end - begin >= MAP_MIN_BYTES and (data_start + begin) % SAFETENSORS_DTYPES[info["dtype"]] == 0
+
+
+def _map_tensor(file: Path, data_start: int, info: dict) -> torch.Tensor:
+    """One tensor of a checked header as a view of a private mapping of its bytes in the file."""
+    begin, end = info["data_offsets"]
+    mapping, delta = map_span(FileSpan(str(file), data_start + begin, end - begin))
+    dtype = TORCH_DTYPES[info["dtype"]]
+    count = (end - begin) // SAFETENSORS_DTYPES[info["dtype"]]
+    return torch.frombuffer(mapping, dtype=dtype, count=count, offset=delta).reshape(info["shape"])
 
 
 def _read_tensor(handle, data_start: int, info: dict) -> torch.Tensor:

@@ -769,15 +769,17 @@ def test_the_finiteness_check_agrees_with_isfinite_value_by_value(dtype):
 
 def test_the_finiteness_check_of_a_16_bit_weight_holds_no_float32_copy_of_it():
     """A 256 MiB bfloat16 weight: the check's peak beside it stays under 64 MiB, where a float32 sum of the whole
-    weight would take 512 MiB (measured in a child, whose peak RSS is the weight and the check alone)."""
+    weight would take 512 MiB (measured in a child, whose peak RSS is the weight and the check alone; VmHWM, as
+    ru_maxrss would start from the test process's own resident set)."""
     code = (
-        "import resource, sys, torch\n"
+        "import sys, torch\n"
         "from models.checkpoints.loading import _all_finite\n"
+        "from toolkit.bench.machine import peak_rss_kb\n"
         "w = torch.ones(128 << 20, dtype=torch.bfloat16)\n"
         "w[-1] = float('inf')\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "before = peak_rss_kb()\n"
         "assert _all_finite(w) is False and _all_finite(w[:-1]) is True\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+        "print((peak_rss_kb() - before) * 1024)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,136 @@
+"""Weights that stay in the checkpoint file they came from until an artifact is written.
+
+A checkpoint tensor the export keeps byte for byte (a bfloat16 weight exported as bfloat16) is read as a view of
+a private file mapping of its own: its pages are resident only while something reads them. The importer checks
+it (finite values) and gives the pages back (map_span, release_pages). The exporter then holds it as a FileSpan
+(span_of) and writes it by copying the file range, never holding the weights in memory whole: the export's peak
+is the interpreter and one weight instead of every weight.
+
+Mappings are private (copy-on-write): a writer to the tensor gets its own pages and the file is never changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from artifact.errors import ModelFileError
+
+COPY_CHUNK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """`length` bytes of the file at `path` from `offset`: a weight written into an artifact straight from the
+    checkpoint it was read from."""
+
+    path: str
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def chunks(self, size: int = COPY_CHUNK_BYTES):
+        """The bytes, `size` at a time, read with plain reads (no mapping, so none stays resident)."""
+        with open(self.path, "rb") as handle:
+            done = 0
+            while done < self.length:
+                count = min(size, self.length - done)
+                data = os.pread(handle.fileno(), count, self.offset + done)
+                if len(data) != count:  # the file shrank since it was read and checked
+                    raise ModelFileError(
+                        f"{self.path}: {os.fstat(handle.fileno()).st_size} bytes, expected at least "
+                        f"{self.offset + self.length}: the file changed while it was being exported; leave it "
+                        "unchanged and export again"
+                    )
+                yield data
+                done += count
+
+    def copy_to(self, handle) -> None:
+        """Append the bytes to the open file `handle`."""
+        handle.flush()
+        for data in self.chunks():
+            handle.write(data)
+
+
+@dataclass
+class _Mapping:
+    mapping: weakref.ref  # the mmap object: a stale entry (its mapping gone, the address reused) is ignored
+    nbytes: int
+    span: FileSpan
+
+
+_MAPPED: dict[int, _Mapping] = {}
+_LOCK = threading.Lock()
+
+
+def map_span(span: FileSpan) -> tuple[mmap.mmap, int]:
+    """A private mapping of the file pages holding `span`, and the span's offset inside it. Registered, so that
+    span_of finds the span from any array that views exactly its bytes while the mapping lives."""
+    with open(span.path, "rb") as handle:
+        base = span.offset - span.offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(handle.fileno(), span.offset - base + span.length, offset=base, access=mmap.ACCESS_COPY)
+    delta = span.offset - base
+    address = np.frombuffer(mapping, dtype=np.uint8, count=1, offset=delta).ctypes.data
+    with _LOCK:
+        _MAPPED[address] = _Mapping(weakref.ref(mapping, lambda _, a=address: _forget(a)), span.length, span)
+    return mapping, delta
+
+
+def _forget(address: int) -> None:
+    with _LOCK:
+        entry = _MAPPED.get(address)
+        if entry is not None and entry.mapping() is None:
+            del _MAPPED[address]
+
+
+def _entry(array) -> tuple[_Mapping, mmap.mmap] | None:
+    """The live mapping whose span `array` (a numpy array or a torch tensor, C-contiguous) views whole."""
+    if hasattr(array, "data_ptr"):  # a torch tensor (torch is not imported here)
+        if not array.is_contiguous() or array.device.type != "cpu":
+            return None
+        address, nbytes = array.data_ptr(), array.numel() * array.element_size()
+    else:
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:
+            return None
+        address, nbytes = array.__array_interface__["data"][0], array.nbytes
+    with _LOCK:
+        entry = _MAPPED.get(address)
+    mapping = entry.mapping() if entry is not None else None
+    if mapping is None or entry.nbytes != nbytes:
+        return None
+    return entry, mapping
+
+
+def span_of(array) -> FileSpan | None:
+    """The file span whose bytes `array` views whole, if it is a live mapping of map_span's."""
+    found = _entry(array)
+    return found[0].span if found is not None else None
+
+
+def release_pages(array) -> None:
+    """Give back the resident pages of a mapped span's view (read again from the file if touched later). Only for
+    a view nothing has written to: a private mapping's written pages are dropped too, back to the file's bytes."""
+    found = _entry(array)
+    if found is not None:
+        found[1].madvise(mmap.MADV_DONTNEED)
+
+
+def sha256_chunks(chunks) -> str:
+    """sha256 of a file's chunks: bytes-like objects and FileSpans (read from their file)."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        if isinstance(chunk, FileSpan):
+            for data in chunk.chunks():
+                digest.update(data)
+        else:
+            digest.update(chunk)
+    return digest.hexdigest()
