@@ -79,7 +79,7 @@ class GraphWeights:
         tensor = self.tensors.get(name) or self.origin[name]
         if is_pending(tensor):
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-            return self.pending[name].view(dtype).reshape(tuple(tensor.dims))
+            return self.pending.array(name).view(dtype).reshape(tuple(tensor.dims))
         try:
             return numpy_helper.to_array(tensor, base_dir=self.base_dir)
         except (OSError, ValueError) as exc:

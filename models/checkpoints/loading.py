@@ -68,7 +68,8 @@ def load_model(family: str, config, state: dict, where, *, assign: bool = False)
     """The model with `state` loaded (every entry checked for name and shape by load_state_dict).
 
     assign=True makes the state's tensors the parameters instead of copying them (the caller owns
-    them: fresh, writable float32 memory); tied parameters stay one Parameter.
+    them: fresh, writable memory, or private file mappings whose written pages become their own); tied
+    parameters stay one Parameter.
     """
     model = build_model(family, config, init=False)  # every weight is loaded next
     expected = set(model.state_dict())

@@ -137,9 +137,10 @@ def _mappable(data_start: int, info: dict) -> bool:
 
 
 def _map_tensor(file: Path, data_start: int, info: dict) -> torch.Tensor:
-    """One tensor of a checked header as a view of a private mapping of its bytes in the file."""
+    """One tensor of a checked header as a view of a private mapping of its bytes in the file (written to in
+    place, it keeps its own copy of the pages written, and artifact.spans no longer takes it for the file's)."""
     begin, end = info["data_offsets"]
-    mapping, delta = map_span(FileSpan(str(file), data_start + begin, end - begin))
+    mapping, delta, _ = map_span(FileSpan(str(file), data_start + begin, end - begin))
     dtype = TORCH_DTYPES[info["dtype"]]
     count = (end - begin) // SAFETENSORS_DTYPES[info["dtype"]]
     return torch.frombuffer(mapping, dtype=dtype, count=count, offset=delta).reshape(info["shape"])

@@ -182,8 +182,11 @@ def test_weights_mapped_from_the_checkpoint_export_the_bytes_that_read_ones_do(
     source, where = mapped_checkpoints[dtype], "--external-data" if external else "--no-external-data"
     mapped, copied = [], []
     map_span, copy_to = safetensors_reader.map_span, spans.FileSpan.copy_to
-    monkeypatch.setattr(safetensors_reader, "map_span", lambda span: mapped.append(span) or map_span(span))
-    monkeypatch.setattr(spans.FileSpan, "copy_to", lambda span, handle: copied.append(span) or copy_to(span, handle))
+    where_in = lambda span: (span.path, span.offset, span.length)  # noqa: E731
+    monkeypatch.setattr(safetensors_reader, "map_span", lambda span: mapped.append(where_in(span)) or map_span(span))
+    monkeypatch.setattr(
+        spans.FileSpan, "copy_to", lambda span, handle: copied.append(where_in(span)) or copy_to(span, handle)
+    )
     export_cli("--from", source, "--dtype", dtype, where, "--out", tmp_path / "mapped")
     monkeypatch.setattr(safetensors_reader, "MAP_MIN_BYTES", 1 << 62)
     export_cli("--from", source, "--dtype", dtype, where, "--out", tmp_path / "read")
@@ -198,24 +201,35 @@ def test_weights_mapped_from_the_checkpoint_export_the_bytes_that_read_ones_do(
         assert (tmp_path / "mapped" / name).read_bytes() == (tmp_path / "read" / name).read_bytes(), name
 
 
-def test_a_checkpoint_that_shrinks_during_the_export_is_refused_and_nothing_is_written(
-    mapped_checkpoints, tmp_path, monkeypatch
+@pytest.mark.parametrize("change", ["cut", "replaced"])
+def test_a_checkpoint_that_changes_during_the_export_is_refused_and_nothing_is_written(
+    mapped_checkpoints, tmp_path, monkeypatch, change
 ):
-    """The mapped weights are read from the file again as they are written: a checkpoint cut short meanwhile is
-    one line, exit 2, and no artifact."""
+    """The mapped weights are read from the file again as they are written: a checkpoint cut short meanwhile, or
+    replaced by a file of the same size with other weights (a rename, as downloads land), is one line, exit 2,
+    and no artifact."""
     source = tmp_path / "hf"
     shutil.copytree(mapped_checkpoints["float32"], source)
     pack = onnx_export.pack_artifact
 
-    def cut_then_pack(*args, **kwargs):
+    def change_then_pack(*args, **kwargs):
         weights = source / "model.safetensors"
-        os.truncate(weights, weights.stat().st_size // 2)
+        if change == "cut":
+            os.truncate(weights, weights.stat().st_size // 2)
+        else:
+            other = tmp_path / "other.safetensors"
+            shutil.copy(mapped_checkpoints["float32"] / "model.safetensors", other)
+            with open(other, "r+b") as handle:  # the last weight's bytes, not its header
+                handle.seek(-4096, os.SEEK_END)
+                handle.write(bytes(4096))
+            other.replace(weights)
         return pack(*args, **kwargs)
 
-    monkeypatch.setattr(onnx_export, "pack_artifact", cut_then_pack)
+    monkeypatch.setattr(onnx_export, "pack_artifact", change_then_pack)
     args = ["export", "--from", str(source), "--out", str(tmp_path / "out"), "--quiet", "--no-verify"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert result.output.count("\n") == 1 and "model.safetensors" in result.output, result.output
-    assert "the file changed while it was being exported; leave it unchanged and export again" in result.output
+    assert "the file changed while it was being exported" in result.output
+    assert "leave it unchanged and export again" in result.output
     assert not (tmp_path / "out").exists()
