@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 PROGRESS_ENV = "TOOLKIT_PROGRESS"
+# One line at a time: the checkpoint's hashing thread reports beside the main thread, and a text stream is not
+# safe to write from two threads at once (a line can be lost).
+_WRITE = threading.Lock()
 
 
 class Progress:
@@ -21,7 +25,10 @@ class Progress:
 
     def __call__(self, message: str) -> None:
         if self.enabled:
-            print(f"[{self.label} {time.perf_counter() - self.start:6.1f} s] {message}", file=sys.stderr, flush=True)
+            line = f"[{self.label} {time.perf_counter() - self.start:6.1f} s] {message}\n"
+            with _WRITE:
+                sys.stderr.write(line)
+                sys.stderr.flush()
 
 
 def command_progress(label: str, quiet: bool) -> Progress:
