@@ -13,7 +13,7 @@ import time
 
 PROGRESS_ENV = "TOOLKIT_PROGRESS"
 # One line at a time: the checkpoint's hashing thread reports beside the main thread, and a text stream is not
-# safe to write from two threads at once (a line can be lost).
+# safe to write from two threads at once.
 _WRITE = threading.Lock()
 
 
@@ -22,13 +22,16 @@ class Progress:
         forced = os.environ.get(PROGRESS_ENV)
         self.enabled = not quiet and (forced == "1" or (forced is None and sys.stderr.isatty()))
         self.label, self.start = label, time.perf_counter()
+        # The stream when the command started: the export's trace swaps sys.stderr for a buffer it discards, and
+        # the hashing thread's lines written meanwhile would go there.
+        self.stream = sys.stderr
 
     def __call__(self, message: str) -> None:
         if self.enabled:
             line = f"[{self.label} {time.perf_counter() - self.start:6.1f} s] {message}\n"
             with _WRITE:
-                sys.stderr.write(line)
-                sys.stderr.flush()
+                self.stream.write(line)
+                self.stream.flush()
 
 
 def command_progress(label: str, quiet: bool) -> Progress:

@@ -56,3 +56,20 @@ def test_hashing_a_large_file_reports_its_progress(tmp_path):
         f"verifying model.onnx.data: {every:.2f} of {size:.2f} GiB hashed",
         f"verifying model.onnx.data: {size:.2f} of {size:.2f} GiB hashed",
     ]
+
+
+def test_progress_lines_go_to_the_stream_the_command_started_with(monkeypatch):
+    """The export's trace redirects sys.stderr into a buffer it discards; a line the hashing thread reports
+    meanwhile still reaches the command's stderr."""
+    import contextlib
+    import io
+
+    from toolkit.progress import PROGRESS_ENV, Progress
+
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    shown = io.StringIO()
+    monkeypatch.setattr("sys.stderr", shown)
+    progress = Progress("export")
+    with contextlib.redirect_stderr(io.StringIO()):
+        progress("verifying model.safetensors: 0.00 of 0.00 GiB hashed")
+    assert "verifying model.safetensors" in shown.getvalue()
