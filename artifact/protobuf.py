@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx
 
-from artifact.spans import FileSpan
+from artifact.spans import FileSpan, buffers
 
 WEIGHTLESS_BYTES = 1 << 16  # initializers above this size are checked by type and shape only
 
@@ -23,12 +23,8 @@ def serialize_model(model: onnx.ModelProto, raw: dict | None = None) -> bytearra
     out, chunks = bytearray(), serialize_chunks(model, raw)
     chunks.reverse()
     while chunks:  # each weight let go once in the buffer
-        chunk = chunks.pop()
-        if isinstance(chunk, FileSpan):
-            for data in chunk.chunks():
-                out += data
-        else:
-            out += chunk
+        for data in buffers(chunks.pop()):
+            out += data
     return out
 
 

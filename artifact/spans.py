@@ -56,12 +56,6 @@ class FileSpan:
                 yield data
                 done += count
 
-    def copy_to(self, handle) -> None:
-        """Append the bytes to the open file `handle`."""
-        handle.flush()
-        for data in self.chunks():
-            handle.write(data)
-
     def _changed(self) -> ModelFileError:
         return ModelFileError(
             f"{self.path}: the file changed while it was being exported (replaced, rewritten or cut short; "
@@ -164,13 +158,15 @@ def release_pages(array) -> None:
         found[1].madvise(mmap.MADV_DONTNEED)
 
 
+def buffers(chunk):
+    """A file's chunk as buffers in order: itself, or a FileSpan's bytes read from its file."""
+    return chunk.chunks() if isinstance(chunk, FileSpan) else (chunk,)
+
+
 def sha256_chunks(chunks) -> str:
     """sha256 of a file's chunks: bytes-like objects and FileSpans (read from their file)."""
     digest = hashlib.sha256()
     for chunk in chunks:
-        if isinstance(chunk, FileSpan):
-            for data in chunk.chunks():
-                digest.update(data)
-        else:
-            digest.update(chunk)
+        for data in buffers(chunk):
+            digest.update(data)
     return digest.hexdigest()

@@ -24,7 +24,7 @@ import numpy as np
 from artifact.errors import ModelFileError, ToolkitError
 from artifact.format import MANIFEST_FILE, METADATA_KEY
 from artifact.protobuf import serialize_chunks
-from artifact.spans import FileSpan, sha256_chunks, span_of
+from artifact.spans import FileSpan, buffers, sha256_chunks, span_of
 
 EXTERNAL_DATA_ENV = "TOOLKIT_EXTERNAL_DATA_BYTES"
 # A graph whose initializers exceed this many bytes keeps them in an external data file: the protobuf limit of
@@ -97,11 +97,10 @@ def externalize(proto, location: str, pending: PendingWeights | None = None) -> 
             raw = tensor.raw_data
             tensor.ClearField("raw_data")
         padding = b"\0" * (-size % EXTERNAL_ALIGNMENT)
-        chunks.append(padding)
-        digest.update(padding)
-        chunks.append(raw)
-        for data in raw.chunks() if isinstance(raw, FileSpan) else (raw,):
-            digest.update(data)
+        for chunk in (padding, raw):
+            chunks.append(chunk)
+            for data in buffers(chunk):
+                digest.update(data)
         offset, size = size + len(padding), size + len(padding) + len(raw)
         del tensor.external_data[:]
         for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(raw)))):
@@ -250,12 +249,8 @@ def _write_files(tmp: Path, files: dict[str, bytes | list[bytes]], consume: bool
                 # Consumed as written: each tensor's bytes are freed once on disk, not held to the end.
                 data.reverse()
                 while data:
-                    chunk = data.pop()
-                    if isinstance(chunk, FileSpan):
-                        chunk.copy_to(handle)
-                    else:
-                        handle.write(chunk)
-                    del chunk
+                    for piece in buffers(data.pop()):
+                        handle.write(piece)
             else:
                 handle.write(data)
             handle.flush()
