@@ -1,6 +1,6 @@
 """ONNX function bodies for the custom-domain ops, one function per op.
 
-The model emits single `onnx_toolkit::RMSNorm` / `onnx_toolkit::SwiGLU` nodes
+The model emits single `onnx_toolkit::RMSNorm` / `onnx_toolkit::SwiGLU` / `onnx_toolkit::GeGLU` nodes
 during export; these FunctionProtos are attached afterwards so any runtime can
 expand them (ONNX Runtime inlines them, the reference evaluator runs them).
 """
@@ -54,7 +54,20 @@ def SwiGLU(x, gate_proj, up_proj, down_proj):
     return op.MatMul(hidden, op.Transpose(down_proj, perm=[1, 0]))
 
 
-FUNCTIONS = {"RMSNorm": RMSNorm, "SwiGLU": SwiGLU}
+@onnxscript.script(custom, default_opset=op)
+def GeGLU(x, gate_proj, up_proj, down_proj, approximate: str):
+    """torch: F.linear(F.gelu(F.linear(x, gate_proj), approximate=approximate) * F.linear(x, up_proj), down_proj).
+
+    Weights keep torch's [out_features, in_features] layout, as SwiGLU's do. approximate: "tanh" (Gemma's
+    gelu_pytorch_tanh) or "none" (the erf GELU), ONNX Gelu's attribute.
+    """
+    gate = op.MatMul(x, op.Transpose(gate_proj, perm=[1, 0]))
+    up = op.MatMul(x, op.Transpose(up_proj, perm=[1, 0]))
+    hidden = op.Mul(op.Gelu(gate, approximate=approximate), up)
+    return op.MatMul(hidden, op.Transpose(down_proj, perm=[1, 0]))
+
+
+FUNCTIONS = {"RMSNorm": RMSNorm, "SwiGLU": SwiGLU, "GeGLU": GeGLU}
 # Bodies that replace FUNCTIONS' in float16/bfloat16 exports (same op name and signature).
 REDUCED_PRECISION_FUNCTIONS = {"RMSNorm": RMSNormFloat32}
 

@@ -1,12 +1,12 @@
 """Lowerings: graph rewrites of one traced export onto different operator sets.
 
-export_model traces the model once (custom-domain RMSNorm/SwiGLU nodes, attention
+export_model traces the model once (custom-domain RMSNorm/SwiGLU/GeGLU nodes, attention
 and RoPE as primitive ops); a lowering rewrites that ModelProto:
 
-- "functions" (default, portable): unchanged; RMSNorm/SwiGLU are onnx_toolkit
+- "functions" (default, portable): unchanged; RMSNorm/SwiGLU/GeGLU are onnx_toolkit
   nodes whose bodies ship as local functions (default opset 20).
 - "standard": ONNX opset 23 only, no custom domain: RMSNormalization,
-  RotaryEmbedding and Attention; SwiGLU becomes primitive ops.
+  RotaryEmbedding and Attention; SwiGLU and GeGLU become primitive ops.
 - "ort": ONNX Runtime's fused com.microsoft kernels (plus opset 23):
   SkipSimplifiedLayerNormalization (the residual add fused into the next norm),
   one fused QKV projection, GroupQueryAttention, and one fused gate/up
@@ -22,7 +22,7 @@ and RoPE as primitive ops); a lowering rewrites that ModelProto:
 Attention is rebuilt from the config, layer by layer (exporters/lowering_attention.py says how each switch of
 the llama family maps onto the kernels, and how a gpt family config is described in those switches: learned
 positions, so no RoPE, and biases). Everything else the llama and gpt families' switches change is traced as
-standard ops and passes through: LayerNorm, GeGLU and the plain MLP's GELU, the biases, learned positions, the
+standard ops and passes through: LayerNorm, the plain MLP's GELU, the biases, learned positions, the
 multipliers and soft caps;
 RMSNorm nodes become RMSNormalization in any placement, and in "ort" a SkipSimplifiedLayerNormalization where
 the norm reads a residual sum. The KV-cache contract is unchanged:
@@ -62,6 +62,7 @@ from models.rope import LENGTH_DEPENDENT
 
 LOWERINGS = ("functions", "standard", "ort")
 STANDARD_OPSET = 23  # RMSNormalization, RotaryEmbedding and Attention appear in opset 23
+GATED_FFN_OPS = ("SwiGLU", "GeGLU")  # the custom feed-forward nodes, [out, in] weights as stored
 # What each lowering can run on: the ONNX reference evaluator knows no com.microsoft op.
 REFERENCE_BACKEND = "onnx-reference"
 GPU_ORT_BACKENDS = ("ort-cuda", "ort-trt")  # TensorRT hands GroupQueryAttention to the CUDA provider
@@ -345,13 +346,10 @@ class _Rewriter(AttentionLowering):
         for i in range(layers):
             self.lower_attention(i)
             self.release_replaced()
-        gated = getattr(self.config, "ffn_gated", True)
-        for i in range(layers):
-            if gated and getattr(self.config, "ffn_activation", "silu") == "silu":
-                self.lower_swiglu(i)
-            elif gated and self.lowering == "ort":
-                self.fuse_gate_up(i)  # GeGLU: traced as standard ops around the two projections
-            self.release_replaced()
+        if getattr(self.config, "ffn_gated", True):
+            for i in range(layers):
+                self.lower_gated_ffn(i)
+                self.release_replaced()
         for n in list(graph.node):
             if n.domain == CUSTOM_DOMAIN and n.op_type == "RMSNorm":
                 self.lower_norm(n)
@@ -457,21 +455,22 @@ class _Rewriter(AttentionLowering):
         return value not in self.inits and not (producer is not None and producer.op_type == "Constant")
 
     # ---- feed-forward -----------------------------------------------------------------------------------
-    def lower_swiglu(self, i: int) -> None:
+    def lower_gated_ffn(self, i: int) -> None:
+        """The SwiGLU or GeGLU node of block i: its projections as MatMuls (in "ort" gate and up as one)."""
         names = [f"block.{i}.feed_forward.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         wanted = [self.weights.get(name, {}).get("initializer") for name in names]
-        # The SwiGLU node reading this layer's weights (the first if identical weights repeat across layers).
+        # The node reading this layer's weights (the first if identical weights repeat across layers).
         nodes = [
             n
             for n in self.graph.node
             if n.domain == CUSTOM_DOMAIN
-            and n.op_type == "SwiGLU"
+            and n.op_type in GATED_FFN_OPS
             and id(n) not in self.removed
             and list(n.input[1:]) == wanted
         ]
         if not nodes:
             raise ExportError(
-                f"lowering {self.lowering!r}: no {CUSTOM_DOMAIN}::SwiGLU node reads block.{i}'s "
+                f"lowering {self.lowering!r}: no {CUSTOM_DOMAIN}::SwiGLU or GeGLU node reads block.{i}'s "
                 f"feed-forward weights in the traced graph; export with --lowering {DEFAULT_LOWERING}"
             )
         n = nodes[0]
@@ -487,25 +486,12 @@ class _Rewriter(AttentionLowering):
             self.record_moved(names[0], gate_t)
             self.record_moved(names[1], up_t)
             g, u = self.node("MatMul", [x, gate_t]), self.node("MatMul", [x, up_t])
-        # silu(g) * u = g * sigmoid(g) * u
-        hidden = self.node("Mul", [self.node("Mul", [g, self.node("Sigmoid", [g])]), u])
-        self.node("MatMul", [hidden, down_t], [n.output[0]])
-
-    def fuse_gate_up(self, i: int) -> None:
-        """GeGLU (traced as standard ops): its gate and up MatMuls become one, split in two."""
-        prefix = f"block.{i}.feed_forward"
-        names = [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"]
-        (gate_init, gate), (up_init, up) = (self.weight_in_out(name) for name in names)  # [in, out] each
-        gate_mm, up_mm = self._matmul(gate_init, prefix, "gate_proj"), self._matmul(up_init, prefix, "up_proj")
-        x = gate_mm.input[0]
-        if up_mm.input[0] != x:
-            raise ExportError(
-                f"lowering {self.lowering!r}: {prefix}.up_proj does not read gate_proj's input in the traced graph; "
-                f"export with --lowering {DEFAULT_LOWERING}"
-            )
-        g, u = self._gate_up(x, names, gate.T, up.T)
-        self.replace_output(gate_mm.output[0], g)
-        self.replace_output(up_mm.output[0], u)
+        if n.op_type == "SwiGLU":
+            activated = self.node("Mul", [g, self.node("Sigmoid", [g])])  # silu(g) = g * sigmoid(g)
+        else:
+            approximate = next(a.s.decode() for a in n.attribute if a.name == "approximate")
+            activated = self.node("Gelu", [g], approximate=approximate)
+        self.node("MatMul", [self.node("Mul", [activated, u]), down_t], [n.output[0]])
 
     def _gate_up(self, x: str, names: list[str], gate: np.ndarray, up: np.ndarray):
         """One MatMul for gate and up (torch [out, in] weights): x @ [gate^T | up^T], then split the halves."""

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.ops import apply_rope, attention, rms_norm, swiglu
+from models.ops import apply_rope, attention, geglu, rms_norm, swiglu
 from models.rope import rope_attention_factor, rope_inverse_frequencies, rope_long_inverse_frequencies
 
 NORMS = ("layernorm", "rmsnorm")
@@ -166,7 +166,7 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down_proj(act(gate_proj x) * up_proj x): SwiGLU with SiLU, GeGLU with tanh-approximated GELU (Gemma)."""
+    """down_proj(act(gate_proj x) * up_proj x): SwiGLU with SiLU, GeGLU with GELU (Gemma's is tanh-approximated)."""
 
     def __init__(self, width: int, ff_width: int, activation: str = "silu"):
         super().__init__()
@@ -176,10 +176,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ff_width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         if self.activation == "silu":
-            return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        gate = F.gelu(self.gate_proj(x), approximate="tanh")  # (B, T, ff_width)
-        return self.down_proj(gate * self.up_proj(x))
+            return swiglu(x, *weights)
+        return geglu(x, *weights, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
 
 class MLP(nn.Module):

@@ -1,6 +1,6 @@
 """Free functions for the math a lowering may want to swap.
 
-RMSNorm and SwiGLU are emitted as single custom-domain nodes while
+RMSNorm, SwiGLU and GeGLU are emitted as single custom-domain nodes while
 torch.onnx exports (their bodies are attached as ONNX functions afterwards,
 see exporters/functions.py); in eager mode they run as plain torch code.
 Attention and RoPE stay free functions so a later lowering can replace them.
@@ -38,6 +38,23 @@ def swiglu(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down
             version=CUSTOM_DOMAIN_VERSION,
         )
     return F.linear(F.silu(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+
+
+def geglu(
+    x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor, approximate: str
+) -> torch.Tensor:
+    # y = down_proj( gelu(gate_proj x) * (up_proj x) ), weights in torch's [out, in] layout; approximate "tanh"
+    # or "none". One node, like swiglu's, so the export writes the weights as stored rather than transposed.
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic(
+            f"{CUSTOM_DOMAIN}::GeGLU",
+            (x, gate_proj, up_proj, down_proj),
+            {"approximate": approximate},
+            dtype=x.dtype,
+            shape=(*x.shape[:-1], down_proj.shape[0]),
+            version=CUSTOM_DOMAIN_VERSION,
+        )
+    return F.linear(F.gelu(F.linear(x, gate_proj), approximate=approximate) * F.linear(x, up_proj), down_proj)
 
 
 def apply_rope(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
 from exporters.quantize import dequantize_nbits
@@ -52,5 +53,32 @@ class MatMulNBits(OpRun):
         return (y.astype(dtype),)
 
 
-# The operators to pass as `ReferenceEvaluator(..., new_ops=CONTRIB_OPS)`.
-CONTRIB_OPS = [MatMulNBits]
+class Gelu(OpRun):
+    """ONNX Gelu (opset 20): onnx.reference expands it from its context-dependent function body, which needs the
+    input's type from shape inference and so fails inside a local function (the GeGLU body). Computed here in
+    float64 from the operator's definition and returned in the input's dtype."""
+
+    op_domain = ""
+
+    def _run(self, x, approximate="none"):
+        z = x.astype(np.float64)
+        if approximate == "tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            y = 0.5 * z * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (z + 0.044715 * z**3)))
+        elif approximate == "none":  # x Phi(x) = 0.5 x (1 + erf(x / sqrt(2)))
+            y = 0.5 * z * (1.0 + torch.special.erf(torch.from_numpy(z / np.sqrt(2.0))).numpy())
+        else:
+            raise ValueError(f"Gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+        return (y.astype(x.dtype),)
+
+
+# The operators the evaluator is given: com.microsoft's, and the standard ones it cannot run everywhere an
+# artifact holds them.
+CONTRIB_OPS = [MatMulNBits, Gelu]
+
+
+class Evaluator(ReferenceEvaluator):
+    """onnx.reference.ReferenceEvaluator with CONTRIB_OPS, in the model's local functions too: the evaluator builds
+    each function's own evaluator as `self.__class__(function, ...)`, without the new_ops it was given."""
+
+    def __init__(self, proto, *args, new_ops=None, **kwargs):
+        super().__init__(proto, *args, new_ops=CONTRIB_OPS if new_ops is None else new_ops, **kwargs)

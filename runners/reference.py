@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from onnx.reference import ReferenceEvaluator
-
 from artifact.errors import ModelFileError
 from runners.base import Runner
-from runners.contrib_ops import CONTRIB_OPS
+from runners.contrib_ops import Evaluator
 
 
 class ReferenceRunner(Runner):
@@ -16,9 +14,9 @@ class ReferenceRunner(Runner):
     def __init__(self, model_proto, input_specs, output_names, config=None):
         super().__init__(input_specs, output_names, config)
         # The model's local functions (the custom ops' bodies) are evaluated from the proto itself; the
-        # com.microsoft operators a quantized artifact holds come from CONTRIB_OPS.
+        # com.microsoft operators a quantized artifact holds, and Gelu inside a function, from CONTRIB_OPS.
         try:
-            self.evaluator = ReferenceEvaluator(model_proto, new_ops=CONTRIB_OPS)
+            self.evaluator = Evaluator(model_proto)
         except Exception as exc:  # the evaluator raises NotImplementedError, ValueError, ... on bad graphs
             raise ModelFileError(f"onnx.reference could not load the model: {type(exc).__name__}: {exc}") from None
 

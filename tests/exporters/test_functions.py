@@ -1,4 +1,4 @@
-"""The RMSNorm / SwiGLU FunctionProtos evaluated on their own, against numpy formulas.
+"""The RMSNorm / SwiGLU / GeGLU FunctionProtos evaluated on their own, against numpy formulas.
 
 Each function is called from a one-node model built with onnx.helper, so these
 tests need no torch export; the oracle is float64 numpy written from the math.
@@ -6,15 +6,17 @@ tests need no torch export; the oracle is float64 numpy written from the math.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
 
 from exporters.functions import OPSET, function_protos
 from models.ops import CUSTOM_DOMAIN, CUSTOM_DOMAIN_VERSION
+from runners.contrib_ops import Evaluator
 
 ELEM = {np.float32: TensorProto.FLOAT, np.float64: TensorProto.DOUBLE}
 # float32: a handful of ulps of O(1) values; float64: the function must not drop to float32 anywhere.
@@ -48,7 +50,8 @@ def run_ort(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> np.ndarray
 
 
 def run_reference(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    return ReferenceEvaluator(model).run(["y"], inputs)[0]
+    # As runners/reference.py builds it: with Gelu, which the evaluator cannot expand inside a function body.
+    return Evaluator(model).run(["y"], inputs)[0]
 
 
 BACKENDS = {"onnxruntime": run_ort, "onnx-reference": run_reference}
@@ -66,21 +69,33 @@ def swiglu_oracle(x, gate, up, down):
     return (silu * (x @ up.T)) @ down.T
 
 
+def geglu_oracle(x, gate, up, down, approximate):
+    x, gate, up, down = (a.astype(np.float64) for a in (x, gate, up, down))
+    g = x @ gate.T
+    if approximate == "tanh":
+        gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+    else:
+        gelu = 0.5 * g * (1.0 + np.vectorize(math.erf)(g / np.sqrt(2.0)))
+    return (gelu * (x @ up.T)) @ down.T
+
+
 def test_function_protos_are_sorted_deduplicated_and_skip_unknown_ops():
-    protos = function_protos({"SwiGLU", "RMSNorm", "NotACustomOp"})
-    assert [p.name for p in protos] == ["RMSNorm", "SwiGLU"]
+    protos = function_protos({"SwiGLU", "RMSNorm", "GeGLU", "NotACustomOp"})
+    assert [p.name for p in protos] == ["GeGLU", "RMSNorm", "SwiGLU"]
     assert all(p.domain == CUSTOM_DOMAIN for p in protos)
     assert function_protos(set()) == []
 
 
 def test_function_bodies_import_the_default_opset_and_declare_their_signature():
-    protos = {p.name: p for p in function_protos({"RMSNorm", "SwiGLU"})}
+    protos = {p.name: p for p in function_protos({"RMSNorm", "SwiGLU", "GeGLU"})}
     for proto in protos.values():
         assert {o.domain: o.version for o in proto.opset_import}.get("") == OPSET
         assert list(proto.output) and len(proto.output) == 1
     assert list(protos["RMSNorm"].input) == ["x", "weight"]
     assert list(protos["RMSNorm"].attribute) == ["epsilon"]
     assert list(protos["SwiGLU"].input) == ["x", "gate_proj", "up_proj", "down_proj"]
+    assert list(protos["GeGLU"].input) == ["x", "gate_proj", "up_proj", "down_proj"]
+    assert list(protos["GeGLU"].attribute) == ["approximate"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -149,3 +164,33 @@ def test_swiglu_hand_computed_value(backend):
     }
     got = BACKENDS[backend](single_node_model("SwiGLU", inputs), inputs)
     np.testing.assert_allclose(got, [[6.0 / (1.0 + np.exp(-2.0))]], rtol=1e-14, atol=0)
+
+
+# onnxruntime has no float64 Erf kernel, so its erf GELU runs in float32 only (exports are never float64).
+GELU_CASES = [
+    (backend, dtype, approximate)
+    for backend in BACKENDS
+    for dtype in (np.float32, np.float64)
+    for approximate in ("tanh", "none")
+    if (backend, dtype, approximate) != ("onnxruntime", np.float64, "none")
+]
+
+
+@pytest.mark.parametrize("backend,dtype,approximate", GELU_CASES)
+def test_geglu_function_matches_formula(backend, dtype, approximate):
+    rng = np.random.default_rng(4)
+    width, ff, out = 4, 6, 3
+    inputs = {
+        "x": (2 * rng.standard_normal((2, 3, width))).astype(dtype),  # gate values past 3, where the GELUs differ
+        "gate_proj": rng.standard_normal((ff, width)).astype(dtype),
+        "up_proj": rng.standard_normal((ff, width)).astype(dtype),
+        "down_proj": rng.standard_normal((out, ff)).astype(dtype),
+    }
+    got = BACKENDS[backend](single_node_model("GeGLU", inputs, approximate=approximate), inputs)
+    assert got.dtype == dtype and got.shape == (2, 3, out)
+    expected = geglu_oracle(*inputs.values(), approximate)
+    # onnxruntime's float64 Gelu evaluates erf/tanh by its own approximations, to about 1e-7 relative
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype is np.float32 else dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, expected, **tol)
+    other = geglu_oracle(*inputs.values(), {"tanh": "none", "none": "tanh"}[approximate])
+    assert np.max(np.abs(other - expected)) > 1e-3  # the approximate attribute reaches the body's Gelu

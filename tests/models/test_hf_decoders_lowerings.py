@@ -94,6 +94,12 @@ def test_quantize_check_and_generate_a_gemma3_export(tokenizer, tmp_path):  # no
     )
     result = invoke("export", "--from", tmp_path / "hf", "--out", tmp_path / "float")
     assert result.exit_code == 0, result.output
+    # GeGLU is one node that takes its weights in the stored [out, in] layout, as SwiGLU does: the export writes
+    # them as the checkpoint holds them (copied from the file), not transposed copies made in memory.
+    entry = json.loads((tmp_path / "float" / "manifest.json").read_text())["graphs"][0]
+    assert entry["custom_ops"] == ["GeGLU", "RMSNorm"]
+    ffn = {k: v["transpose"] for k, v in entry["weights"].items() if ".feed_forward." in k}
+    assert len(ffn) == 3 * import_checkpoint(tmp_path / "hf").config.layers and not any(ffn.values()), ffn
     q8 = ("--bits", 8, "--accuracy-level", 0, "--out", tmp_path / "q8", "--greedy-tokens", 8)  # checkable exactly
     result = invoke("quantize", tmp_path / "float", *q8)
     assert result.exit_code == 0, result.output

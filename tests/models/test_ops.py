@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.ops import apply_rope, attention, rms_norm, swiglu
+from models.layers import SwiGLU
+from models.ops import apply_rope, attention, geglu, rms_norm, swiglu
 from models.rope import rope_inverse_frequencies
 
 # Per-dtype tolerances (rtol, atol) for comparing torch results with a float64 numpy oracle.
@@ -46,6 +47,16 @@ def np_silu(z: np.ndarray) -> np.ndarray:
 def np_swiglu(x, gate, up, down):
     # torch [out, in] layout: a projection of a row vector r is r @ W^T
     return (np_silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def np_gelu(z: np.ndarray, approximate: str) -> np.ndarray:
+    if approximate == "tanh":  # 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
+        return 0.5 * z * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z**3)))
+    return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))  # z Phi(z)
+
+
+def np_geglu(x, gate, up, down, approximate):
+    return (np_gelu(x @ gate.T, approximate) * (x @ up.T)) @ down.T
 
 
 def np_rope(x: np.ndarray, positions, base: float, pairing: str) -> np.ndarray:
@@ -167,6 +178,34 @@ def test_swiglu_uses_gate_and_up_asymmetrically():
     x = _randn((3, 4), 20)
     gate, up, down = _randn((6, 4), 21), _randn((6, 4), 22), _randn((4, 6), 23)
     assert not torch.allclose(swiglu(x, gate, up, down), swiglu(x, up, gate, down))
+
+
+# ---------------------------------------------------------------------------------------------
+# geglu
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_geglu_matches_naive_formula(dtype, approximate):
+    d, f = 5, 7
+    x = 2 * _randn((2, 3, d), 14, dtype)  # |gate x| up to about 10: where the two GELUs differ by 1e-3
+    gate, up, down = _randn((f, d), 15, dtype), _randn((f, d), 16, dtype), _randn((d, f), 17, dtype)
+    expected = np_geglu(*(t.double().numpy() for t in (x, gate, up, down)), approximate)
+    out = geglu(x, gate, up, down, approximate)
+    assert out.shape == (2, 3, d)
+    _close(out, expected, dtype)
+    other = np_geglu(*(t.double().numpy() for t in (x, gate, up, down)), {"tanh": "none", "none": "tanh"}[approximate])
+    assert np.max(np.abs(other - expected)) > 1e-4  # the formulas differ where this input reaches
+
+
+@pytest.mark.parametrize("activation,approximate", [("gelu_tanh", "tanh"), ("gelu", "none")])
+def test_the_gated_feed_forward_computes_the_gelu_its_activation_names(activation, approximate):
+    torch.manual_seed(0)
+    ffn = SwiGLU(4, 6, activation).double()
+    x = 3 * _randn((2, 4), 18)
+    weights = [w.detach().numpy() for w in (ffn.gate_proj.weight, ffn.up_proj.weight, ffn.down_proj.weight)]
+    with torch.no_grad():
+        np.testing.assert_allclose(ffn(x).numpy(), np_geglu(x.numpy(), *weights, approximate), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------

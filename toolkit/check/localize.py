@@ -41,7 +41,7 @@ from artifact import GraphArtifact, load_onnx
 from artifact.errors import BackendUnavailableError, ComparisonError
 from exporters.quantize import dequantize_nbits
 from models.artifacts import artifact_config
-from runners.contrib_ops import CONTRIB_OPS
+from runners.contrib_ops import CONTRIB_OPS, Evaluator
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 ulp at 1.0, twice the unit roundoff
 
@@ -308,9 +308,7 @@ def run_backend_all(backend: str, model: onnx.ModelProto, feed: dict) -> dict[st
     """Run the float32 inlined graph (every value an output) on `backend`."""
     names = [o.name for o in model.graph.output]
     if backend == "onnx-reference":
-        from onnx.reference import ReferenceEvaluator
-
-        return dict(zip(names, ReferenceEvaluator(model, new_ops=CONTRIB_OPS).run(None, feed), strict=True))
+        return dict(zip(names, Evaluator(model).run(None, feed), strict=True))
     if backend.startswith("ort-"):
         import onnxruntime
 
@@ -327,13 +325,12 @@ def run_backend_all(backend: str, model: onnx.ModelProto, feed: dict) -> dict[st
 
 def evaluate_node64(node: onnx.NodeProto, opsets: dict[str, int], inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
     """One node in float64 on the given input values (float32 inputs widened exactly)."""
-    from onnx.reference import ReferenceEvaluator
 
     node64 = onnx.NodeProto.FromString(node.SerializeToString())
     for attr in node64.attribute:
         if node64.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
             attr.i = TensorProto.DOUBLE
-    return ReferenceEvaluator(node64, opsets=opsets, new_ops=CONTRIB_OPS).run(None, widened(inputs))
+    return Evaluator(node64, opsets=opsets).run(None, widened(inputs))
 
 
 def widened(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -500,11 +497,10 @@ def data_dependent(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], order: l
 
 def float64_values(cone: StageCone) -> dict[str, np.ndarray]:
     """Every value of the cone computed by the graph converted to float64, on onnx.reference."""
-    from onnx.reference import ReferenceEvaluator
 
     names = cone.value_names
     model64 = with_all_outputs(to_float64(cone.model), names)
-    return dict(zip(names, ReferenceEvaluator(model64, new_ops=CONTRIB_OPS).run(None, widened(cone.feed)), strict=True))
+    return dict(zip(names, Evaluator(model64).run(None, widened(cone.feed)), strict=True))
 
 
 # --------------------------------------------------------------------------- question 1: runtime faults
