@@ -7,6 +7,9 @@ contract (onnxruntime docs/ContribOperators.md): Y = A @ dequantize(B) + bias, w
 dequantized per K-block and the product taken in float64 or the activations' own width, whichever is
 wider, so it is the exact value a kernel's rounding is judged against. From accuracy level 4 the activations
 are first rounded to int8 per block as ONNX Runtime's CPU kernel rounds them (runners.activations).
+
+One standard operator is here too: Gelu, which the evaluator cannot expand inside a local function (the GeGLU
+body). `Evaluator` is the reference evaluator with these operators, in the model's functions as well.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from runners.contrib_ops import CONTRIB_OPS
+from runners.contrib_ops import CONTRIB_OPS, Evaluator
 
 
 def nbits_model(k, n, bits, block, b, scales, zero_points=None, bias=None, batch_shape=("m",), level=0):
@@ -132,3 +132,34 @@ def test_g_idx_refused():
     node.input[:] = ["A", "B", "scales", "", "g"]
     with pytest.raises(Exception, match="g_idx"):
         ReferenceEvaluator(model, new_ops=CONTRIB_OPS).run(None, {"A": np.ones((1, 32), np.float32)})
+
+
+def gelu_model(approximate: str):
+    node = helper.make_node("Gelu", ["X"], ["Y"], approximate=approximate)
+    graph = helper.make_graph(
+        [node],
+        "gelu",
+        [helper.make_tensor_value_info("X", TensorProto.DOUBLE, [3])],
+        [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, [3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize(
+    "approximate,expected",
+    [
+        # x Phi(x), the normal CDF from tables: Phi(1) = 0.841344746068543, Phi(-2) = 0.0227501319481792
+        ("none", [0.0, 0.841344746068543, -2 * 0.0227501319481792]),
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), with Python's math.tanh at x = 1 and -2
+        ("tanh", [0.0, 0.8411919906082768, -0.04540230591222494]),
+    ],
+)
+def test_gelu_matches_hand_computed_values(approximate, expected):
+    x = np.array([0.0, 1.0, -2.0])
+    got = Evaluator(gelu_model(approximate)).run(None, {"X": x})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_gelu_refuses_an_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate"):
+        Evaluator(gelu_model("sigmoid")).run(None, {"X": np.zeros(3)})
