@@ -27,7 +27,7 @@ MANIFEST_FILE = "manifest.json"
 FORMAT = "onnx-toolkit-artifact"
 FORMAT_VERSION = 1
 METADATA_KEY = "onnx_toolkit.manifest"
-# The operator domain of the toolkit's own functions (RMSNorm, SwiGLU), with their bodies in each file.
+# The operator domain of the toolkit's own functions (RMSNorm, SwiGLU, GeGLU), with their bodies in each file.
 CUSTOM_DOMAIN = "onnx_toolkit"
 CUSTOM_DOMAIN_VERSION = 1
 # Input/output dtypes a manifest may declare (what the exporters and runners handle).

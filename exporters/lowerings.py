@@ -68,7 +68,7 @@ REFERENCE_BACKEND = "onnx-reference"
 GPU_ORT_BACKENDS = ("ort-cuda", "ort-trt")  # TensorRT hands GroupQueryAttention to the CUDA provider
 GQA_CUDA_DTYPES = ("float16", "bfloat16")  # onnxruntime's CUDA kernel registrations for GroupQueryAttention
 # The fields of each family's config that the rewrite rebuilds (attention from the config in
-# exporters/lowering_attention.py, norms and the SwiGLU node here) or that change only traced standard ops.
+# exporters/lowering_attention.py, norms and the SwiGLU/GeGLU node here) or that change only traced standard ops.
 # A field added to a family later is refused by name, when set, until the rewrite knows it.
 LLAMA_REBUILT_FIELDS = frozenset(
     {

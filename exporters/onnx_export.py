@@ -1,4 +1,4 @@
-"""torch.onnx (dynamo) export with custom-domain RMSNorm/SwiGLU functions.
+"""torch.onnx (dynamo) export with custom-domain RMSNorm/SwiGLU/GeGLU functions.
 
 One export path for every family:
   trace with torch.onnx.export(dynamo=True) -> attach FunctionProtos for the

@@ -1,7 +1,7 @@
 """The graph rewrite of weight-only int4/int8 quantization with ONNX Runtime's MatMulNBits.
 
 Per graph: inline the custom-domain functions (onnx.inliner) -> fold Transpose nodes of
-constant weights (SwiGLU's body transposes its [out, in] weights) -> quantize each MatMul's
+constant weights (SwiGLU's and GeGLU's bodies transpose their [out, in] weights) -> quantize each MatMul's
 constant B with ONNX Runtime's node quantizers (round-to-nearest or HQQ, block-wise along K), or
 with blocks made elsewhere (quantize_proto_blocks: a GGUF's own, exporters/gguf_blocks.py).
 

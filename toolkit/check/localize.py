@@ -626,8 +626,10 @@ def find_graph_fault(
 def localize_stage(artifact, backend: str, stage: str, feed: dict, *, graph_name: str | None = None) -> Localization:
     """Name the first ONNX node of `stage`'s computation that `backend` (or the graph itself) gets wrong."""
     cone = stage_cone(stage_graph(artifact, stage, graph_name), stage, feed)
-    known = {op.__name__ for op in CONTRIB_OPS}
-    foreign = sorted({f"{n.domain}::{n.op_type}" for n in cone.model.graph.node if n.domain and n.op_type not in known})
+    known = {(op.op_domain, op.__name__) for op in CONTRIB_OPS}
+    foreign = sorted(
+        {f"{n.domain}::{n.op_type}" for n in cone.model.graph.node if n.domain and (n.domain, n.op_type) not in known}
+    )
     if foreign:  # each node is judged on the reference evaluator, which has no kernel for these
         return Localization(
             backend,
@@ -733,14 +735,16 @@ def audit_nodes(artifact, backend: str, feeds: dict[str, list[dict]]) -> NodeAud
     (runners.activations) turns float32 noise into whole rounding steps that cascade through the layers, yet
     one node at a time, on the same inputs, the rounding is reproduced exactly.
     """
-    known = {op.__name__ for op in CONTRIB_OPS}
+    known = {(op.op_domain, op.__name__) for op in CONTRIB_OPS}
     checked = 0
     for graph in artifact.graphs:
         stage = "logits" if "logits" in graph.output_names else graph.output_names[0]
         cone = None
         for feed in feeds.get(graph.name, []):
             cone = stage_cone(graph, stage, feed) if cone is None else replace(cone, feed=feed)
-            foreign = sorted({f"{n.domain}::{n.op_type}" for n in cone.nodes if n.domain and n.op_type not in known})
+            foreign = sorted(
+                {f"{n.domain}::{n.op_type}" for n in cone.nodes if n.domain and (n.domain, n.op_type) not in known}
+            )
             if foreign:
                 return NodeAudit(
                     backend,

@@ -231,3 +231,20 @@ def test_a_graph_with_kernels_the_reference_lacks_is_not_localised(tmp_path):
     result = CliRunner().invoke(main, ["check", str(mutated.directory), "--backends", "ort-cpu", "--localize"])
     assert result.exit_code == 1 and "RESULT: FAIL" in result.output, result.output
     assert "not localised: the graph holds com.microsoft::" in result.output and "Traceback" not in result.output
+
+
+def test_a_contrib_op_named_like_a_reference_op_is_still_foreign(block, tmp_path):
+    """The reference evaluator's extra Gelu is the standard one: a com.microsoft::Gelu (ONNX Runtime's own op)
+    has no reference kernel, so the localisation says so instead of failing inside the evaluator."""
+
+    def mutate(model):
+        node = next(n for n in model.graph.node if n.op_type == "Mul")
+        node.op_type, node.domain = "Gelu", "com.microsoft"
+        del node.input[1:]
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+
+    mutated = mutated_copy(block, tmp_path, mutate)
+    feed = graph_feed(mutated.graphs[0], default_inputs(mutated, None, None, 0)[0], {})
+    found = localize_stage(mutated, "ort-cpu", "logits", feed)
+    assert found.finding is None and found.nodes_checked == 0
+    assert "not localised: the graph holds com.microsoft::Gelu" in found.note
