@@ -6,6 +6,7 @@ import json
 
 import click
 
+from exporters.gguf_blocks import Q4_1_LAYOUTS
 from exporters.kquant import AUTO_TOLERANCE
 from exporters.quantize import ACCURACY_LEVELS, ALGORITHMS, BITS, BLOCK_SIZES
 from toolkit.commands.common import write_text_atomically
@@ -85,6 +86,15 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     f"{AUTO_TOLERANCE}x the float one's (auto). [default: {DEFAULT_ZERO_POINTS}]",
 )
 @click.option(
+    "--q4-1",
+    "q4_1",
+    type=click.Choice(Q4_1_LAYOUTS),
+    help="--recipe gguf: how a Q4_1 tensor's float minimum is held. offsets: 4-bit blocks plus per-block offsets "
+    "beside each MatMulNBits, bit for bit; int8-grid: 8-bit blocks on a grid 16 times finer, off by at most a "
+    "32nd of a Q4_1 step, no offsets; float-zero-points: 4-bit with float zero points, which ONNX Runtime's CPU "
+    "kernel computes on a slow path. [default: offsets]",
+)
+@click.option(
     "--greedy-tokens",
     type=click.IntRange(min=1),
     default=GREEDY_TOKENS,
@@ -112,6 +122,7 @@ def command(
     promote_share,
     imatrix,
     zero_points,
+    q4_1,
     greedy_tokens,
     perplexity_text,
     out_dir,
@@ -130,6 +141,7 @@ def command(
         promote_share=promote_share,
         imatrix=imatrix,
         zero_points=zero_points,
+        q4_1=q4_1,
         greedy_tokens=greedy_tokens,
         perplexity_text=perplexity_text,
         progress=command_progress("quantize", quiet),
@@ -139,9 +151,13 @@ def command(
     for note in result.notes:
         click.echo(note)
     if result.recipe == "gguf":
-        layouts = sorted({f"{t['type']} -> {t.get('bits', 'float')}" for t in made["gguf"]["tensors"].values()})
+        tensors = made["gguf"]["tensors"].values()
+        layouts = sorted({f"{t['type']} -> {t.get('bits', 'float')}" for t in tensors})
+        held = "as they are" if all(t.get("exact", True) for t in tensors) else "re-gridded where the report says"
+        q4_1 = made["gguf"].get("q4_1", "offsets")
+        layouts += [] if q4_1 == "offsets" else [f"Q4_1 as {q4_1}"]
         click.echo(
-            f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks as they are "
+            f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks {held} "
             f"({', '.join(layouts)}; MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
         )
         slow = _slow_at_level_0(made["gguf"]["tensors"].values())

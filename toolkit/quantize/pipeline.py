@@ -30,6 +30,7 @@ from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
+from exporters.gguf_blocks import Q4_1_LAYOUTS
 from exporters.gptq import gptq_blocks
 from exporters.kquant import ZERO_POINT_MODES, kquant_blocks
 from exporters.quantize import (
@@ -137,7 +138,7 @@ def quantize_artifact(
     accuracy_level: int | None = None,
     algorithm: str | None = None,
     recipe: str | None = None,
-    q4_1: str = "offsets",
+    q4_1: str | None = None,
     promote_share: float | None = None,
     imatrix: bool | None = None,
     zero_points: str | None = None,
@@ -153,8 +154,8 @@ def quantize_artifact(
     (default 32). Unnamed, a GGUF export takes the gguf recipe where the file's blocks can be taken as they are
     at `bits`, and DEFAULT_RECIPES[bits] otherwise (the notes say why); any other artifact takes
     DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
-    0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout
-    (exporters/gguf_blocks.Q4_1_LAYOUTS). promote_share: the measured recipe's largest share of the MatMul
+    0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout (exporters/gguf_blocks.Q4_1_LAYOUTS;
+    None is "offsets", bit for bit; the others are there to be measured). promote_share: the measured recipe's largest share of the MatMul
     weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' block minimum, "integer" (MatMulNBits' uint8 zero points), "offsets" (a
@@ -208,7 +209,12 @@ def quantize_artifact(
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
     check_output_dir(out_dir)  # before the slow part
-    gguf, notes = _gguf_source(source, recipe, bits, q4_1, not named and block_size is None)
+    if q4_1 is not None and q4_1 not in Q4_1_LAYOUTS:
+        raise ConfigError(f"--q4-1: expected one of {', '.join(Q4_1_LAYOUTS)}, got {q4_1!r}")
+    gguf, notes = _gguf_source(source, recipe, bits, q4_1 or "offsets", not named and block_size is None)
+    if q4_1 is not None and gguf is None:
+        why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
+        raise ConfigError(f"--q4-1 {q4_1} applies to the gguf recipe, which does not take this artifact{why}")
     if gguf is None and bits is None:
         why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
         raise ConfigError(f"--bits is required{why}")

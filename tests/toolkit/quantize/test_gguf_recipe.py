@@ -219,6 +219,49 @@ def test_the_default_takes_the_blocks_where_it_can(cases, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
+def test_q4_1_on_the_8_bit_grid_is_within_a_32nd_of_a_step(cases, tmp_path):
+    """--q4-1 int8-grid: every Q4_1 matrix becomes an 8-bit MatMulNBits without offsets whose values (spec oracle)
+    are within d/32 of gguf.quants' (d each block's own scale, read from the file's bytes) and not all exact; the
+    manifest and the command say so; the flag is refused where the gguf recipe does not apply."""
+    path, source, _, _ = cases["q4_1"]
+    out = tmp_path / "grid"
+    result = invoke("quantize", source.directory, "--q4-1", "int8-grid", "--accuracy-level", 0, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "re-gridded where the report says" in result.stdout and "Q4_1 as int8-grid" in result.stdout
+    made = open_artifact(out).manifest.quantization["gguf"]
+    assert made["q4_1"] == "int8-grid"
+    q4_1 = {name: t for name, t in made["tensors"].items() if t["type"] == "Q4_1"}
+    assert q4_1 and all(t["bits"] == 8 and not t["offsets"] and t["max_steps"] <= 1 / 32 for t in q4_1.values())
+    proto, nodes = nbits_nodes(open_artifact(out))
+    assert not [n for n in proto.graph.node if n.op_type == "Add" and any("_nbits" in i for i in n.input)]
+    scales = {}  # tensor name: d [N, blocks], the fp16 at the start of every 20-byte Q4_1 block
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if tensor.tensor_type == Q.Q4_1:
+            blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, 20)
+            scales[tensor.name] = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    wanted = {name: values.T for name, values in gguf_matrices(path).items() if name in scales}
+    inexact = 0
+    for node in nodes:
+        w_hat = mnb_dequantize(proto, node)
+        same = [key for key, value in wanted.items() if value.shape == w_hat.shape]
+        if not same:
+            continue
+        key = min(same, key=lambda k: np.abs(wanted[k] - w_hat).max())
+        step = np.repeat(scales[key].T, 32, axis=0)  # [K, N]: each value's own d
+        error = np.abs(w_hat - wanted[key])
+        assert (error <= step / 32 * (1 + 1e-6) + 1e-12).all(), (node.name, key, float((error / step).max()))
+        inexact += int((error > 0).any())
+        del wanted[key]
+    assert not wanted and inexact  # every Q4_1 matrix found; the grid is not the file's values bit for bit
+    assert_user_error(
+        invoke(
+            "quantize", source.directory, "--bits", 4, "--recipe", "rtn", "--q4-1", "int8-grid", "--out", tmp_path / "q"
+        ),
+        "--q4-1 int8-grid applies to the gguf recipe",
+    )
+    assert not (tmp_path / "q").exists()
+
+
 def test_an_explicit_algorithm_re_rounds_a_gguf_artifact(cases, tmp_path):
     _, source, _, _ = cases["q4_0"]
     result = invoke("quantize", source.directory, "--bits", 4, "--algorithm", "rtn", "--out", tmp_path / "q")
