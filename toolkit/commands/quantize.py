@@ -90,9 +90,10 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     "q4_1",
     type=click.Choice(Q4_1_LAYOUTS),
     help="--recipe gguf: how a Q4_1 tensor's float minimum is held. offsets: 4-bit blocks plus per-block offsets "
-    "beside each MatMulNBits, bit for bit; int8-grid: 8-bit blocks on a grid 16 times finer, off by at most a "
-    "32nd of a Q4_1 step, no offsets; float-zero-points: 4-bit with float zero points, which ONNX Runtime's CPU "
-    "kernel computes on a slow path. [default: offsets]",
+    "beside each MatMulNBits, bit for bit; int8-grid: 8-bit blocks on a grid up to 16 times finer, no offsets, off "
+    "by at most a 32nd of a Q4_1 step where the block's minimum is within 15 steps of zero (the manifest gives each "
+    "tensor's deviation); float-zero-points: 4-bit with float zero points, which ONNX Runtime's CPU kernel "
+    "computes on a slow path. [default: offsets]",
 )
 @click.option(
     "--greedy-tokens",
@@ -153,9 +154,13 @@ def command(
     if result.recipe == "gguf":
         tensors = made["gguf"]["tensors"].values()
         layouts = sorted({f"{t['type']} -> {t.get('bits', 'float')}" for t in tensors})
-        held = "as they are" if all(t.get("exact", True) for t in tensors) else "re-gridded where the report says"
+        held = (
+            "as they are"
+            if all(t.get("exact", True) for t in tensors)
+            else "(not all bit for bit: see each tensor's deviation in the manifest)"
+        )
         q4_1 = made["gguf"].get("q4_1", "offsets")
-        layouts += [] if q4_1 == "offsets" else [f"Q4_1 as {q4_1}"]
+        layouts += [f"Q4_1 as {q4_1}"] if q4_1 != "offsets" and any(t["type"] == "Q4_1" for t in tensors) else []
         click.echo(
             f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks {held} "
             f"({', '.join(layouts)}; MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"

@@ -193,6 +193,13 @@ def quantize_artifact(
             f"--algorithm hqq with --bits {bits}: HQQ's float zero points are supported by ONNX Runtime's "
             "CPU MatMulNBits at 4 bits only; use --algorithm rtn for 8 bits"
         )
+    if q4_1 is not None and q4_1 not in Q4_1_LAYOUTS:
+        raise ConfigError(f"--q4-1: expected one of {', '.join(Q4_1_LAYOUTS)}, got {q4_1!r}")
+    if q4_1 is not None and (recipe not in (None, "gguf") or block_size is not None):
+        other = f"--recipe {recipe}" if recipe not in (None, "gguf") else f"--block-size {block_size}"
+        raise ConfigError(
+            f"--q4-1 {q4_1} applies to --recipe gguf (the default for a GGUF export), not with {other}; drop one of them"
+        )
     if accuracy_level is not None and accuracy_level not in ACCURACY_LEVELS:
         raise ConfigError(f"--accuracy-level: expected one of {ACCURACY_LEVELS}, got {accuracy_level!r}")
     source_dir, out_dir = Path(source_dir), Path(out_dir)
@@ -209,12 +216,10 @@ def quantize_artifact(
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
     check_output_dir(out_dir)  # before the slow part
-    if q4_1 is not None and q4_1 not in Q4_1_LAYOUTS:
-        raise ConfigError(f"--q4-1: expected one of {', '.join(Q4_1_LAYOUTS)}, got {q4_1!r}")
     gguf, notes = _gguf_source(source, recipe, bits, q4_1 or "offsets", not named and block_size is None)
     if q4_1 is not None and gguf is None:
-        why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
-        raise ConfigError(f"--q4-1 {q4_1} applies to the gguf recipe, which does not take this artifact{why}")
+        why = notes[-1].removeprefix("note: ") if notes else "it was not exported from a GGUF file"
+        raise ConfigError(f"--q4-1 {q4_1} applies to the gguf recipe, which cannot take this artifact: {why}")
     if gguf is None and bits is None:
         why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
         raise ConfigError(f"--bits is required{why}")

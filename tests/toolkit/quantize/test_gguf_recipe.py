@@ -227,7 +227,7 @@ def test_q4_1_on_the_8_bit_grid_is_within_a_32nd_of_a_step(cases, tmp_path):
     out = tmp_path / "grid"
     result = invoke("quantize", source.directory, "--q4-1", "int8-grid", "--accuracy-level", 0, "--out", out)
     assert result.exit_code == 0, result.output
-    assert "re-gridded where the report says" in result.stdout and "Q4_1 as int8-grid" in result.stdout
+    assert "not all bit for bit: see each tensor's deviation" in result.stdout and "Q4_1 as int8-grid" in result.stdout
     made = open_artifact(out).manifest.quantization["gguf"]
     assert made["q4_1"] == "int8-grid"
     q4_1 = {name: t for name, t in made["tensors"].items() if t["type"] == "Q4_1"}
@@ -257,7 +257,15 @@ def test_q4_1_on_the_8_bit_grid_is_within_a_32nd_of_a_step(cases, tmp_path):
         invoke(
             "quantize", source.directory, "--bits", 4, "--recipe", "rtn", "--q4-1", "int8-grid", "--out", tmp_path / "q"
         ),
-        "--q4-1 int8-grid applies to the gguf recipe",
+        "--q4-1 int8-grid applies to --recipe gguf (the default for a GGUF export), not with --recipe rtn",
+    )
+    config = tmp_path / "config.json"
+    small = {"vocab_size": 64, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 64}
+    config.write_text(json.dumps({"family": "llama", "seed": 0, "config": small}))
+    assert invoke("export", "--config", config, "--variant", "serving", "--out", tmp_path / "plain").exit_code == 0
+    assert_user_error(
+        invoke("quantize", tmp_path / "plain", "--bits", 4, "--q4-1", "int8-grid", "--out", tmp_path / "q"),
+        "--q4-1 int8-grid applies to the gguf recipe, which cannot take this artifact: it was not exported from a GGUF",
     )
     assert not (tmp_path / "q").exists()
 
