@@ -12,11 +12,19 @@ noise level: `toolkit export --lowering ort`, then
 at 8, recording the quality report (greedy agreement, perplexity,
 logit error against the float artifact on ort-cpu) and the quantize wall time.
 
+`--proxy rotation|permutation` takes, in place of the noise levels, the GGUF's model in weights on no grid that
+compute the same function (rotated_checkpoint: the residual stream turned by a random rotation, or its channels,
+each FFN's hidden channels and each KV head's value channels permuted), so the float model is SmolLM2 itself.
+Rotation spreads the outlier channels into dense directions that every input channel shares; permutation keeps
+them channels, as a trained checkpoint has them.
+
 Needs transformers and accelerate (transformers' GGUF loader requires it); the saved config drops the keys that
 transformers copies from the GGUF's metadata and that no Hugging Face checkpoint holds (`_model_name_or_path`,
 `unk_token_id`), which the import would otherwise refuse as unknown.
 
     .venv/bin/python benchmarks/recipes_offgrid.py --work /tmp/offgrid --json benchmarks/results/2026-12-02-recipes-offgrid-imatrix.json
+    .venv/bin/python benchmarks/recipes_offgrid.py --work /tmp/rot --proxy permutation \
+        --text /usr/share/common-licenses/GPL-3 --json benchmarks/results/<date>-recipes-permutation-gpl3.json
 """
 
 from __future__ import annotations
@@ -60,19 +68,18 @@ RECIPES = {
 NOT_HF_KEYS = ("_model_name_or_path", "unk_token_id")  # transformers' GGUF metadata, in no HF checkpoint
 
 
-def noisy_checkpoint(gguf: Path, out: Path, noise: float, seed: int = 0) -> None:
-    """A Hugging Face directory of the GGUF's model with N(0, (noise * row RMS)^2) added to every 2-D weight."""
-    from safetensors.torch import save_file
+def _load(gguf: Path):
+    """(tokenizer, float32 transformers model) of the GGUF, as transformers dequantizes it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.ndim == 2:
-                rms = parameter.pow(2).mean(dim=1, keepdim=True).sqrt()
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * rms * noise)
+    return tokenizer, AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    """`model` as a Hugging Face directory (safetensors; a tied head not written twice), without the GGUF-only keys."""
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -83,6 +90,85 @@ def noisy_checkpoint(gguf: Path, out: Path, noise: float, seed: int = 0) -> None
         config.pop(key, None)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save_pretrained(out)
+
+
+def noisy_checkpoint(gguf: Path, out: Path, noise: float, seed: int = 0) -> None:
+    """A Hugging Face directory of the GGUF's model with N(0, (noise * row RMS)^2) added to every 2-D weight."""
+    tokenizer, model = _load(gguf)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                rms = parameter.pow(2).mean(dim=1, keepdim=True).sqrt()
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * rms * noise)
+    _save(model, tokenizer, out)
+
+
+def rotated_checkpoint(gguf: Path, out: Path, kind: str = "rotation", seed: int = 0) -> None:
+    """A Hugging Face directory of the GGUF's model in weights that lie on no grid of any block, computing the same
+    function (up to float32 rounding). The RMSNorm gains are folded into the projections that read the norms
+    (columns of q/k/v, gate/up; the final norm's into an untied head) and set to 1, so that for an orthogonal R of
+    the residual stream RMSNorm(x R) = RMSNorm(x) R; every matrix reading the residual stream becomes W R, every one
+    writing it R^T W, the embedding E R.
+
+    kind "rotation": R a random rotation (QuaRot's transform). Each channel is spread over all of them, so a
+    trained model's outlier channels become dense directions shared by every input channel.
+    kind "permutation": R a random permutation of the channels, and within each layer a random permutation of the
+    feed-forward's hidden channels (rows of gate/up, columns of down) and of each KV head's value channels (rows of
+    v, the columns of o its query heads write): outlier channels stay channels, but every block of 32 along K now
+    mixes values of several Q4_1 blocks (of all a row's, or for o only of its head's two), so none lies on one
+    grid."""
+    tokenizer, model = _load(gguf)
+    config = model.config
+    width = config.hidden_size
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "rotation":
+        rotation, _ = torch.linalg.qr(torch.randn(width, width, generator=generator, dtype=torch.float64))
+    else:
+        rotation = torch.eye(width, dtype=torch.float64)[:, torch.randperm(width, generator=generator)]
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 253, 1134, 30, 378, 905, 284, 3096, 42, 7, 9, 13]])
+    with torch.no_grad():
+        before = model(ids).logits
+        embed = model.model.embed_tokens.weight
+        head = embed.double() * model.model.norm.weight.double()
+        for layer in model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            for norm, readers in (
+                (layer.input_layernorm, (attention.q_proj, attention.k_proj, attention.v_proj)),
+                (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj)),
+            ):
+                for linear in readers:  # [out, width] reading norm(x) R: W diag(g) R
+                    linear.weight.copy_(linear.weight.double() * norm.weight.double() @ rotation)
+                norm.weight.fill_(1)
+            for linear in (attention.o_proj, mlp.down_proj):  # [width, in] writing the residual: R^T W
+                linear.weight.copy_(rotation.T @ linear.weight.double())
+            if kind == "permutation":
+                hidden = torch.randperm(config.intermediate_size, generator=generator)
+                mlp.gate_proj.weight.copy_(mlp.gate_proj.weight[hidden])
+                mlp.up_proj.weight.copy_(mlp.up_proj.weight[hidden])
+                mlp.down_proj.weight.copy_(mlp.down_proj.weight[:, hidden])
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                kv_heads = config.num_key_value_heads
+                group = config.num_attention_heads // kv_heads  # query heads per KV head (repeat_interleave)
+                v_rows = torch.arange(kv_heads * head_dim).view(kv_heads, head_dim)
+                o_columns = torch.arange(config.num_attention_heads * head_dim).view(kv_heads, group, head_dim)
+                for h in range(kv_heads):
+                    order = torch.randperm(head_dim, generator=generator)
+                    v_rows[h] = v_rows[h][order]
+                    o_columns[h] = o_columns[h][:, order]
+                attention.v_proj.weight.copy_(attention.v_proj.weight[v_rows.reshape(-1)])
+                attention.o_proj.weight.copy_(attention.o_proj.weight[:, o_columns.reshape(-1)])
+        model.model.norm.weight.fill_(1)
+        config.tie_word_embeddings = False
+        model.lm_head = torch.nn.Linear(width, head.shape[0], bias=False)
+        model.lm_head.weight = torch.nn.Parameter((head @ rotation).float())
+        model.model.embed_tokens.weight = torch.nn.Parameter((embed.double() @ rotation).float())
+        after = model(ids).logits
+    moved = (after - before).abs().max().item()
+    if moved > 1e-3 * before.abs().max().item():
+        raise SystemExit(f"the {kind} model does not compute the original: logits moved by {moved:.3g}")
+    _save(model, tokenizer, out)
+    print(f"{kind} checkpoint -> {out}: logits moved by {moved:.3g} (of {before.abs().max().item():.3g})", flush=True)
 
 
 def run(args: list, **kwargs) -> float:
@@ -103,7 +189,15 @@ def main() -> int:
         help="measure perplexity on this UTF-8 file (toolkit quantize --perplexity-text) in place of the report's "
         "fixed 52-token sentence, for example /usr/share/common-licenses/GPL-3 (Debian's copy of the GPL)",
     )
+    parser.add_argument(
+        "--proxy",
+        choices=("rotation", "permutation"),
+        help="in place of the noise levels (--noise is then refused), one proxy: the GGUF's model with its residual "
+        "stream turned by a random rotation or permutation (rotated_checkpoint), the same function in weights on no grid",
+    )
     args = parser.parse_args()
+    if args.proxy and "--noise" in sys.argv:
+        parser.error("--proxy replaces the noise levels; give one of --proxy and --noise")
     chosen = RECIPES if not args.recipes else {name: RECIPES[name] for name in args.recipes.split(";")}
     import onnxruntime
     import transformers
@@ -123,14 +217,19 @@ def main() -> int:
         else {"path": str(args.text), "sha256": hashlib.sha256(args.text.read_bytes()).hexdigest()},
         "levels": [],
     }
-    for noise in (float(n) for n in args.noise.split(",")):
-        base = args.work / f"noise-{noise}"
+    levels = [args.proxy] if args.proxy else [float(n) for n in args.noise.split(",")]
+    for noise in levels:
+        base = args.work / (noise if isinstance(noise, str) else f"noise-{noise}")
         checkpoint, exported = base / "hf", base / "ort"
         if not (checkpoint / "model.safetensors").exists():
-            noisy_checkpoint(smollm2_gguf(), checkpoint, noise)
+            if isinstance(noise, str):
+                rotated_checkpoint(smollm2_gguf(), checkpoint, noise)
+            else:
+                noisy_checkpoint(smollm2_gguf(), checkpoint, noise)
         if not (exported / "manifest.json").exists():
             run([*TOOLKIT, "export", "--from", checkpoint, "--lowering", "ort", "--out", exported])
-        level = {"noise_times_row_rms": noise, "recipes": {}}
+        proxy = isinstance(noise, str)
+        level = {"noise_times_row_rms": None if proxy else noise, "proxy": noise if proxy else None, "recipes": {}}
         for name, options in chosen.items():
             out, report = base / name.replace(", ", "-").replace(" ", "-"), base / f"{name.replace(', ', '-')}.json"
             if out.exists():
@@ -156,7 +255,7 @@ def main() -> int:
             }
             row = level["recipes"][name]
             print(
-                f"noise {noise}: {name}: agreement {row['greedy_agreement']:.1%}, perplexity {row['perplexity']:.2f} "
+                f"{base.name}: {name}: agreement {row['greedy_agreement']:.1%}, perplexity {row['perplexity']:.2f} "
                 f"({row['perplexity_vs_float']:+.1%} of float {level['float_perplexity']:.2f}), {seconds:.0f} s",
                 flush=True,
             )
