@@ -165,7 +165,7 @@ def command(
             f"took {result.quantized_weights} MatMul weights of {artifact_dir} from the GGUF's blocks {held} "
             f"({', '.join(layouts)}; MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
         )
-        slow = _slow_at_level_0(made["gguf"]["tensors"].values())
+        slow = _slow_at_level_0(tensors)
     else:
         click.echo(
             f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {made['bits']}-bit "

@@ -155,8 +155,8 @@ def quantize_artifact(
     at `bits`, and DEFAULT_RECIPES[bits] otherwise (the notes say why); any other artifact takes
     DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
     0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout (exporters/gguf_blocks.Q4_1_LAYOUTS;
-    None is "offsets", bit for bit; the others are there to be measured). promote_share: the measured recipe's largest share of the MatMul
-    weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
+    None is "offsets", bit for bit; the others are there to be measured). promote_share:
+    the measured recipe's largest share of the MatMul weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' block minimum, "integer" (MatMulNBits' uint8 zero points), "offsets" (a
     float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment); None is
