@@ -17,6 +17,8 @@ compute the same function (rotated_checkpoint: the residual stream turned by a r
 each FFN's hidden channels and each KV head's value channels permuted), so the float model is SmolLM2 itself.
 Rotation spreads the outlier channels into dense directions that every input channel shares; permutation keeps
 them channels, as a trained checkpoint has them.
+`--seed N` makes another proxy of the same kind (another rotation, other permutations): how much a recipe's
+result depends on the draw.
 
 Needs transformers and accelerate (transformers' GGUF loader requires it); the saved config drops the keys that
 transformers copies from the GGUF's metadata and that no Hugging Face checkpoint holds (`_model_name_or_path`,
@@ -62,6 +64,7 @@ RECIPES = {
     "mixed integer imatrix, level 4": ["--bits", "4", "--recipe", "mixed", "--zero-points", "integer"],
     "measured integer imatrix, level 4": ["--bits", "4", "--recipe", "measured", "--zero-points", "integer"],
     "gptq, level 4": ["--bits", "4", "--recipe", "gptq"],
+    "gptq 8-bit head, level 4": ["--bits", "4", "--recipe", "gptq", "--head-bits", "8"],
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
     "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--no-imatrix", "--accuracy-level", "4"],
 }
@@ -195,9 +198,17 @@ def main() -> int:
         help="in place of the noise levels (--noise is then refused), one proxy: the GGUF's model with its residual "
         "stream turned by a random rotation or permutation (rotated_checkpoint), the same function in weights on no grid",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="--proxy: the seed of its random rotation or permutations (each seed is another proxy of the same model)",
+    )
     args = parser.parse_args()
     if args.proxy and "--noise" in sys.argv:
         parser.error("--proxy replaces the noise levels; give one of --proxy and --noise")
+    if "--seed" in sys.argv and not args.proxy:
+        parser.error("--seed chooses a --proxy's rotation or permutations; give --proxy")
     chosen = RECIPES if not args.recipes else {name: RECIPES[name] for name in args.recipes.split(";")}
     import onnxruntime
     import transformers
@@ -219,17 +230,23 @@ def main() -> int:
     }
     levels = [args.proxy] if args.proxy else [float(n) for n in args.noise.split(",")]
     for noise in levels:
-        base = args.work / (noise if isinstance(noise, str) else f"noise-{noise}")
+        seeded = f"-seed-{args.seed}" if isinstance(noise, str) and args.seed else ""
+        base = args.work / ((noise + seeded) if isinstance(noise, str) else f"noise-{noise}")
         checkpoint, exported = base / "hf", base / "ort"
         if not (checkpoint / "model.safetensors").exists():
             if isinstance(noise, str):
-                rotated_checkpoint(smollm2_gguf(), checkpoint, noise)
+                rotated_checkpoint(smollm2_gguf(), checkpoint, noise, args.seed)
             else:
                 noisy_checkpoint(smollm2_gguf(), checkpoint, noise)
         if not (exported / "manifest.json").exists():
             run([*TOOLKIT, "export", "--from", checkpoint, "--lowering", "ort", "--out", exported])
         proxy = isinstance(noise, str)
-        level = {"noise_times_row_rms": None if proxy else noise, "proxy": noise if proxy else None, "recipes": {}}
+        level = {
+            "noise_times_row_rms": None if proxy else noise,
+            "proxy": noise if proxy else None,
+            "seed": args.seed if proxy else None,
+            "recipes": {},
+        }
         for name, options in chosen.items():
             out, report = base / name.replace(", ", "-").replace(" ", "-"), base / f"{name.replace(', ', '-')}.json"
             if out.exists():

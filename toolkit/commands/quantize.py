@@ -65,6 +65,13 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     "[default: 4]",
 )
 @click.option(
+    "--head-bits",
+    type=click.Choice([str(b) for b in BITS]),
+    help="--recipe kquant|mixed|measured|gptq: the vocabulary projection's width (a fifth of a small model's "
+    "weights, and the one that costs 4-bit GPTQ most). [default: 8 for mixed and measured, --bits for kquant "
+    "and gptq]",
+)
+@click.option(
     "--promote-share",
     type=click.FloatRange(min=0, max=1, min_open=True),
     help=f"--recipe measured: the largest share of the MatMul weights' elements kept at 8 bits. [default: "
@@ -120,6 +127,7 @@ def command(
     block_size,
     algorithm,
     accuracy_level,
+    head_bits,
     promote_share,
     imatrix,
     zero_points,
@@ -139,6 +147,7 @@ def command(
         accuracy_level=None if accuracy_level is None else int(accuracy_level),
         algorithm=algorithm,
         recipe=recipe,
+        head_bits=None if head_bits is None else int(head_bits),
         promote_share=promote_share,
         imatrix=imatrix,
         zero_points=zero_points,
@@ -167,12 +176,14 @@ def command(
         )
         slow = _slow_at_level_0(tensors)
     else:
+        head = made.get("head_bits")
+        wider = f", {head}-bit head" if head and head != made["bits"] else ""
         click.echo(
             f"quantized {result.quantized_weights} MatMul weights of {artifact_dir} to {made['bits']}-bit "
-            f"(block {made['block_size']}, {result.recipe}{', imatrix' if made.get('imatrix') else ''}, MatMulNBits, "
-            f"accuracy level {accuracy_level}) -> {out_dir}"
+            f"(block {made['block_size']}, {result.recipe}{', imatrix' if made.get('imatrix') else ''}{wider}, "
+            f"MatMulNBits, accuracy level {accuracy_level}) -> {out_dir}"
         )
-        slow = made["bits"] == 8 or result.recipe in ("mixed", "measured", "hqq")  # the 8-bit head
+        slow = made["bits"] == 8 or head == 8 or result.recipe in ("measured", "hqq")
         chosen = made.get("zero_points_chosen")
         if chosen:
             click.echo(

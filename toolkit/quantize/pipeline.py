@@ -95,6 +95,11 @@ GPTQ = "gptq"
 GPTQ_ROWS, GPTQ_TOKENS = 8, 256
 RECIPES = ("gguf", *KQUANT_RECIPES, GPTQ, *ALGORITHMS)
 HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
+# --head-bits: the vocabulary projection's width for the recipes that round it themselves. mixed and measured hold it
+# at HEAD_BITS; kquant and gptq at --bits unless asked (gptq then keeps round-to-nearest's layout). SmolLM2's head is
+# a fifth of its MatMul weights: over six draws of benchmarks/recipes_offgrid.py's proxies an 8-bit head lowers
+# GPTQ's perplexity rise by 2.0-3.7 points in five and raises it by 0.3 in one.
+HEAD_BITS_RECIPES = ("kquant", "mixed", "measured", "gptq")
 # Without --recipe, float weights take the recipe that keeps the model best at each width without measuring it,
 # on SmolLM2 with weights on and off a 4-bit grid (benchmarks/recipes_offgrid.py): mixed at 4 bits (rtn's
 # perplexity rise is 3x mixed's); rtn at 8 bits, where a float minimum gains nothing measurable and its offsets
@@ -139,6 +144,7 @@ def quantize_artifact(
     algorithm: str | None = None,
     recipe: str | None = None,
     q4_1: str | None = None,
+    head_bits: int | None = None,
     promote_share: float | None = None,
     imatrix: bool | None = None,
     zero_points: str | None = None,
@@ -155,7 +161,8 @@ def quantize_artifact(
     at `bits`, and DEFAULT_RECIPES[bits] otherwise (the notes say why); any other artifact takes
     DEFAULT_RECIPES[bits]. accuracy_level: None is DEFAULT_ACCURACY_LEVEL (int8 activations) for every recipe;
     0 computes with float32 activations. q4_1: the GGUF recipe's Q4_1 layout (exporters/gguf_blocks.Q4_1_LAYOUTS;
-    None is "offsets", bit for bit; the others are there to be measured). promote_share:
+    None is "offsets", bit for bit; the others are there to be measured). head_bits: the vocabulary projection's
+    width for HEAD_BITS_RECIPES (None: HEAD_BITS for mixed and measured, `bits` for kquant and gptq). promote_share:
     the measured recipe's largest share of the MatMul weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' block minimum, "integer" (MatMulNBits' uint8 zero points), "offsets" (a
@@ -174,6 +181,15 @@ def quantize_artifact(
         raise ConfigError(f"--bits is required with --recipe {recipe}")
     if recipe == "measured" and bits == 8:
         raise ConfigError("--recipe measured keeps chosen 4-bit weights at 8 bits; with --bits 8 use mixed or rtn")
+    if head_bits is not None and recipe not in HEAD_BITS_RECIPES:
+        raise ConfigError(
+            f"--head-bits applies to --recipe {', '.join(HEAD_BITS_RECIPES)}, not "
+            f"{recipe or 'the default recipe (name one with --recipe)'}"
+        )
+    if head_bits is not None and head_bits not in BITS:
+        raise ConfigError(f"--head-bits: expected one of {', '.join(map(str, BITS))}, got {head_bits!r}")
+    if head_bits is not None and bits is not None and head_bits < bits:
+        raise ConfigError(f"--head-bits {head_bits} is narrower than --bits {bits}; give at least {bits}")
     if promote_share is not None and recipe != "measured":
         raise ConfigError(f"--promote-share applies to --recipe measured, not {recipe or 'the default recipe'}")
     if imatrix is not None and recipe not in KQUANT_RECIPES:
@@ -227,6 +243,8 @@ def quantize_artifact(
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     zero_points = (zero_points or DEFAULT_ZERO_POINTS) if recipe in KQUANT_RECIPES else None
     algorithm = "rtn" if recipe == "gguf" else recipe
+    if recipe in HEAD_BITS_RECIPES and head_bits is None:
+        head_bits = bits if recipe in ("kquant", GPTQ) else HEAD_BITS
     block_size = block_size or 32
     if accuracy_level is None:
         accuracy_level = DEFAULT_ACCURACY_LEVEL
@@ -253,8 +271,8 @@ def quantize_artifact(
             progress(f"taking {graph.model_path.name}'s {matmuls} MatMul weights from {gguf.path.name}'s blocks")
             bounds = gguf.bounds
         elif recipe in KQUANT_RECIPES:
-            head_b = None if head is None or recipe == "kquant" else head_copy(copies, torch_weight(originals, head))
-            wide = {head_b}
+            head_b = None if head is None else head_copy(copies, torch_weight(originals, head))
+            wide = {head_b} if head_bits != bits else set()
             weighted = {}
             # The float model is built once for both (and let go before the weights are quantized).
             calibrated = calibration(source) if imatrix or recipe == "measured" else None
@@ -280,11 +298,18 @@ def quantize_artifact(
                 wide |= promotion.promoted
             del calibrated
 
-            def blocks(b, weights=weights, wide=wide, made=promotion.four_bit if promotion else {}, weighted=weighted):
+            def blocks(
+                b,
+                weights=weights,
+                wide=wide,
+                made=promotion.four_bit if promotion else {},
+                weighted=weighted,
+                head_b=head_b,
+            ):
                 if b in made:
                     weight = made.pop(b)
                 else:
-                    width = HEAD_BITS if b in wide else bits
+                    width = (head_bits if b == head_b else HEAD_BITS) if b in wide else bits
                     weight = kquant_blocks(weights.array(b), width, block_size, weighted.get(b), zero_points)
                 chosen["integer" if weight.offsets is None else "offsets"] += 1
                 return weight
@@ -294,7 +319,7 @@ def quantize_artifact(
             head_b = None if head is None else head_copy(copies, torch_weight(originals, head))
             constant = set(constant_matmul_weights(prepared, weights))
             source_map = graph.entry.data["weights"]
-            blocks = _gptq(source, weights, constant, source_map, folded, head_b, bits, block_size, progress)
+            blocks = _gptq(source, weights, constant, source_map, folded, head_b, bits, block_size, progress, head_bits)
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
         if blocks is not None:
             quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
@@ -339,6 +364,7 @@ def quantize_artifact(
         "quantized_matmuls": total,
         "quantizer": gguf.version() if gguf is not None else quantizer_version(algorithm, imatrix, zero_points),
         "source": {"directory": str(source_dir.resolve()), "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
+        "head_bits": head_bits,  # the vocabulary projection's width where the recipe rounds it itself, else None
         "imatrix": imatrix,  # the k-quant search weighted by each input channel's mean square
         "zero_points": zero_points,  # the k-quants' block minimums: integer zero points, float offsets or auto
         "eager_reference": "the model rebuilt with the dequantized weights",
@@ -374,7 +400,16 @@ def quantize_artifact(
 
 
 def _gptq(
-    source: Artifact, weights: GraphWeights, matmul_b: set[str], source_map, folded, head_b, bits, block_size, progress
+    source: Artifact,
+    weights: GraphWeights,
+    matmul_b: set[str],
+    source_map,
+    folded,
+    head_b,
+    bits,
+    block_size,
+    progress,
+    head_bits,
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
     holds a tied head's values, found by head_copies): E[x^T x] of every one's input measured on the sampled
@@ -403,7 +438,7 @@ def _gptq(
     del calibrated
 
     def blocks(b):
-        return gptq_blocks(weights.array(b), moments.pop(b), bits, block_size)
+        return gptq_blocks(weights.array(b), moments.pop(b), head_bits if b == head_b else bits, block_size)
 
     return blocks
 

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import numpy_helper
 
 from artifact.errors import ConfigError
 from exporters.quantize import (
@@ -28,7 +29,7 @@ from exporters.quantize import (
 from models.artifacts import artifact_config, open_artifact
 from runners.eager import model_from_artifact
 from tests.toolkit.quantize.planted import export_planted, planted_model
-from tests.toolkit.quantize.test_quantize import ort_logits, quantized, source  # noqa: F401 (fixtures)
+from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits, quantized, source  # noqa: F401 (fixtures)
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
 from toolkit.quantize import sensitivity
@@ -139,3 +140,60 @@ def test_the_gptq_recipe_needs_bits_and_a_k_its_blocks_divide(source, tmp_path):
     result = invoke("quantize", source.directory, "--recipe", "gptq", "--bits", 4, "--block-size", 128, "--out", out)
     assert_user_error(result, "--recipe gptq: MatMul weight", "not a multiple of --block-size 128")
     assert not out.exists()
+
+
+def _head_node(proto, vocab_size):
+    (node,) = [
+        n
+        for n in proto.graph.node
+        if n.op_type == "MatMulNBits" and {a.name: a.i for a in n.attribute}["N"] == vocab_size
+    ]
+    return node
+
+
+def test_head_bits_puts_the_vocabulary_projection_alone_at_8_bits(source, tmp_path):  # noqa: F811
+    """--head-bits 8: gptq rounds the head at 8 bits and every other MatMul at 4, the head's values (read back by
+    the MatMulNBits spec, mnb_dequantize) far nearer the float head's than at 4 bits; kquant --head-bits 8 writes
+    exactly mixed's weights (mixed is kquant with an 8-bit head); the manifest and the summary line say so."""
+    vocab = artifact_config(source).vocab_size
+    float_head = model_from_artifact(source).lm_head.weight.detach().double().numpy().T  # [K, N]
+    errors = {}
+    for head_bits in (4, 8):
+        target = tmp_path / f"gptq-{head_bits}"
+        options = ("--recipe", "gptq", "--bits", 4, "--head-bits", head_bits, "--greedy-tokens", 2)
+        result = invoke("quantize", source.directory, *options, "--out", target)
+        assert result.exit_code == 0, result.output
+        assert ("8-bit head" in result.stdout) == (head_bits == 8), result.stdout
+        artifact = open_artifact(target)
+        assert artifact.manifest.quantization["head_bits"] == head_bits
+        proto = onnx.load(str(artifact.model_path))
+        head = _head_node(proto, vocab)
+        widths = {
+            n.name: {a.name: a.i for a in n.attribute}["bits"] for n in proto.graph.node if n.op_type == "MatMulNBits"
+        }
+        assert widths.pop(head.name) == head_bits and set(widths.values()) == {4}, widths
+        errors[head_bits] = np.abs(mnb_dequantize(proto, head) - float_head).mean()
+    assert errors[8] < errors[4] / 8, errors
+    made = {}
+    for recipe, extra in (("kquant", ("--head-bits", 8)), ("mixed", ())):
+        target = tmp_path / recipe
+        result = invoke("quantize", source.directory, "--recipe", recipe, "--bits", 4, *extra, "--out", target)
+        assert result.exit_code == 0, result.output
+        proto = onnx.load(str(open_artifact(target).model_path))
+        assert {a.name: a.i for a in _head_node(proto, vocab).attribute}["bits"] == 8
+        made[recipe] = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    assert made["kquant"].keys() == made["mixed"].keys()
+    assert all(np.array_equal(made["kquant"][name], made["mixed"][name]) for name in made["mixed"])
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        (("--recipe", "gptq", "--bits", 8, "--head-bits", 4), "--head-bits 4 is narrower than --bits 8"),
+        (("--recipe", "rtn", "--bits", 4, "--head-bits", 8), "--head-bits applies to --recipe kquant"),
+        (("--bits", 4, "--head-bits", 8), "not the default recipe (name one with --recipe)"),
+    ],
+)
+def test_head_bits_is_refused_where_it_means_nothing(source, tmp_path, options, fragment):  # noqa: F811
+    assert_user_error(invoke("quantize", source.directory, *options, "--out", tmp_path / "q"), fragment)
+    assert not (tmp_path / "q").exists()
