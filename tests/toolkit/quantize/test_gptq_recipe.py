@@ -186,6 +186,22 @@ def test_head_bits_puts_the_vocabulary_projection_alone_at_8_bits(source, tmp_pa
     assert all(np.array_equal(made["kquant"][name], made["mixed"][name]) for name in made["mixed"])
 
 
+def test_measured_keeps_the_head_at_head_bits_with_every_other_weight_promoted(source, tmp_path):  # noqa: F811
+    """--recipe measured --head-bits 4: the head is not among the weights measured, so with every other weight
+    allowed 8 bits (--promote-share 1, all promoted) it alone stays at 4."""
+    options = ("--recipe", "measured", "--bits", 4, "--head-bits", 4, "--promote-share", 1, "--greedy-tokens", 2)
+    result = invoke("quantize", source.directory, *options, "--out", tmp_path / "q")
+    assert result.exit_code == 0, result.output
+    artifact = open_artifact(tmp_path / "q")
+    assert artifact.manifest.quantization["promotion"]["share_promoted"] == 1
+    proto = onnx.load(str(artifact.model_path))
+    head = _head_node(proto, artifact_config(source).vocab_size)
+    widths = {
+        n.name: {a.name: a.i for a in n.attribute}["bits"] for n in proto.graph.node if n.op_type == "MatMulNBits"
+    }
+    assert widths.pop(head.name) == 4 and set(widths.values()) == {8}, widths
+
+
 @pytest.mark.parametrize(
     "options, fragment",
     [
