@@ -67,9 +67,8 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
 @click.option(
     "--head-bits",
     type=click.Choice([str(b) for b in BITS]),
-    help="--recipe kquant|mixed|measured|gptq: the vocabulary projection's width (a fifth of a small model's "
-    "weights, and the one that costs 4-bit GPTQ most). [default: 8 for mixed and measured, --bits for kquant "
-    "and gptq]",
+    help="--recipe kquant|mixed|measured|gptq: the vocabulary projection's width, apart from --bits (a fifth of a "
+    "small model's weights). [default: 8 for mixed and measured, --bits for kquant and gptq]",
 )
 @click.option(
     "--promote-share",
