@@ -201,13 +201,13 @@ def main() -> int:
     parser.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="--proxy: the seed of its random rotation or permutations (each seed is another proxy of the same model)",
+        help="--proxy: the seed of its random rotation or permutations (default 0; each seed is another proxy of the "
+        "same model)",
     )
     args = parser.parse_args()
     if args.proxy and "--noise" in sys.argv:
         parser.error("--proxy replaces the noise levels; give one of --proxy and --noise")
-    if "--seed" in sys.argv and not args.proxy:
+    if args.seed is not None and not args.proxy:
         parser.error("--seed chooses a --proxy's rotation or permutations; give --proxy")
     chosen = RECIPES if not args.recipes else {name: RECIPES[name] for name in args.recipes.split(";")}
     import onnxruntime
@@ -229,13 +229,14 @@ def main() -> int:
         "levels": [],
     }
     levels = [args.proxy] if args.proxy else [float(n) for n in args.noise.split(",")]
+    seed = args.seed or 0
     for noise in levels:
-        seeded = f"-seed-{args.seed}" if isinstance(noise, str) and args.seed else ""
+        seeded = f"-seed-{seed}" if isinstance(noise, str) and seed else ""
         base = args.work / ((noise + seeded) if isinstance(noise, str) else f"noise-{noise}")
         checkpoint, exported = base / "hf", base / "ort"
         if not (checkpoint / "model.safetensors").exists():
             if isinstance(noise, str):
-                rotated_checkpoint(smollm2_gguf(), checkpoint, noise, args.seed)
+                rotated_checkpoint(smollm2_gguf(), checkpoint, noise, seed)
             else:
                 noisy_checkpoint(smollm2_gguf(), checkpoint, noise)
         if not (exported / "manifest.json").exists():
@@ -244,7 +245,7 @@ def main() -> int:
         level = {
             "noise_times_row_rms": None if proxy else noise,
             "proxy": noise if proxy else None,
-            "seed": args.seed if proxy else None,
+            "seed": seed if proxy else None,
             "recipes": {},
         }
         for name, options in chosen.items():

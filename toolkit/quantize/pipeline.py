@@ -272,7 +272,7 @@ def quantize_artifact(
             bounds = gguf.bounds
         elif recipe in KQUANT_RECIPES:
             head_b = None if head is None else head_copy(copies, torch_weight(originals, head))
-            wide = {head_b} if head_bits != bits else set()
+            wide = {head_b}  # not measured by the measured recipe
             weighted = {}
             # The float model is built once for both (and let go before the weights are quantized).
             calibrated = calibration(source) if imatrix or recipe == "measured" else None
@@ -309,7 +309,7 @@ def quantize_artifact(
                 if b in made:
                     weight = made.pop(b)
                 else:
-                    width = (head_bits if b == head_b else HEAD_BITS) if b in wide else bits
+                    width = head_bits if b == head_b else HEAD_BITS if b in wide else bits
                     weight = kquant_blocks(weights.array(b), width, block_size, weighted.get(b), zero_points)
                 chosen["integer" if weight.offsets is None else "offsets"] += 1
                 return weight

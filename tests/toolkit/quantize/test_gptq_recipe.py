@@ -142,13 +142,19 @@ def test_the_gptq_recipe_needs_bits_and_a_k_its_blocks_divide(source, tmp_path):
     assert not out.exists()
 
 
-def _head_node(proto, vocab_size):
-    (node,) = [
-        n
-        for n in proto.graph.node
-        if n.op_type == "MatMulNBits" and {a.name: a.i for a in n.attribute}["N"] == vocab_size
-    ]
-    return node
+def _head_and_rest(proto, vocab_size):
+    """(the vocabulary projection's MatMulNBits node, its bits, the set of every other MatMulNBits' bits)."""
+    head, head_bits, rest = None, None, set()
+    for node in proto.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            if attrs["N"] == vocab_size:
+                assert head is None, "two MatMulNBits of the vocabulary's width"
+                head, head_bits = node, attrs["bits"]
+            else:
+                rest.add(attrs["bits"])
+    assert head is not None, "no MatMulNBits of the vocabulary's width"
+    return head, head_bits, rest
 
 
 def test_head_bits_puts_the_vocabulary_projection_alone_at_8_bits(source, tmp_path):  # noqa: F811
@@ -167,11 +173,8 @@ def test_head_bits_puts_the_vocabulary_projection_alone_at_8_bits(source, tmp_pa
         artifact = open_artifact(target)
         assert artifact.manifest.quantization["head_bits"] == head_bits
         proto = onnx.load(str(artifact.model_path))
-        head = _head_node(proto, vocab)
-        widths = {
-            n.name: {a.name: a.i for a in n.attribute}["bits"] for n in proto.graph.node if n.op_type == "MatMulNBits"
-        }
-        assert widths.pop(head.name) == head_bits and set(widths.values()) == {4}, widths
+        head, bits, rest = _head_and_rest(proto, vocab)
+        assert (bits, rest) == (head_bits, {4})
         errors[head_bits] = np.abs(mnb_dequantize(proto, head) - float_head).mean()
     assert errors[8] < errors[4] / 8, errors
     made = {}
@@ -180,7 +183,7 @@ def test_head_bits_puts_the_vocabulary_projection_alone_at_8_bits(source, tmp_pa
         result = invoke("quantize", source.directory, "--recipe", recipe, "--bits", 4, *extra, "--out", target)
         assert result.exit_code == 0, result.output
         proto = onnx.load(str(open_artifact(target).model_path))
-        assert {a.name: a.i for a in _head_node(proto, vocab).attribute}["bits"] == 8
+        assert _head_and_rest(proto, vocab)[1] == 8
         made[recipe] = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
     assert made["kquant"].keys() == made["mixed"].keys()
     assert all(np.array_equal(made["kquant"][name], made["mixed"][name]) for name in made["mixed"])
@@ -195,11 +198,7 @@ def test_measured_keeps_the_head_at_head_bits_with_every_other_weight_promoted(s
     artifact = open_artifact(tmp_path / "q")
     assert artifact.manifest.quantization["promotion"]["share_promoted"] == 1
     proto = onnx.load(str(artifact.model_path))
-    head = _head_node(proto, artifact_config(source).vocab_size)
-    widths = {
-        n.name: {a.name: a.i for a in n.attribute}["bits"] for n in proto.graph.node if n.op_type == "MatMulNBits"
-    }
-    assert widths.pop(head.name) == 4 and set(widths.values()) == {8}, widths
+    assert _head_and_rest(proto, artifact_config(source).vocab_size)[1:] == (4, {8})
 
 
 @pytest.mark.parametrize(
