@@ -60,12 +60,13 @@ class TinyLM:
     config: object
 
 
-_CACHE: dict[str, TinyLM] = {}
+_CACHE: dict[int, TinyLM] = {}
 
 
-def tiny_lm(tmp_path_factory) -> TinyLM:
-    """The exported serving artifact with its tokenizer; built on first use, then cached for the session."""
-    if "lm" not in _CACHE:
+def tiny_lm(tmp_path_factory, max_positions: int = MAX_POSITIONS) -> TinyLM:
+    """The exported serving artifact with its tokenizer; built on first use, then cached for the session
+    (one per context length)."""
+    if max_positions not in _CACHE:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         from exporters.onnx_export import export_model
@@ -98,14 +99,14 @@ def tiny_lm(tmp_path_factory) -> TinyLM:
             heads=4,
             kv_heads=2,
             ff_width=32,
-            max_positions=MAX_POSITIONS,
+            max_positions=max_positions,
             tie_embeddings=False,
         )  # a tied random head just repeats its input token
         model = build_model("llama", config, SEED)
         out = tmp_path_factory.mktemp("tiny-lm") / "artifact"
         export_model(model, "llama", config, out, variant="serving", seed=SEED, extra_files=tokenizer.files())
-        _CACHE["lm"] = TinyLM(out, tokenizer, model, config)
-    return _CACHE["lm"]
+        _CACHE[max_positions] = TinyLM(out, tokenizer, model, config)
+    return _CACHE[max_positions]
 
 
 # --------------------------------------------------------------------------- fixtures and helpers

@@ -516,10 +516,27 @@ def test_full_queue_is_429_with_retry_after_and_spares_the_others(small, lm):
     assert small.wait_idle() == {"status": "ok", "active": 0, "queued": 0}
 
 
-def test_client_disconnect_mid_stream_frees_the_slot(small):
+LONG_POSITIONS = 4096  # a request this long outlasts any delay in noticing a closed connection
+
+
+@pytest.fixture
+def long_small(tmp_path_factory, tmp_path):
+    """A batch-1, queue-1 server whose model and --max-tokens allow a 4000-token answer, so a disconnected
+    stream cannot finish its decode before the server sees the close."""
+    long_lm = tiny_lm(tmp_path_factory, max_positions=LONG_POSITIONS)
+    server = Server(long_lm.directory, tmp_path / "long.log", "--max-tokens", str(LONG_POSITIONS - 96), *SMALL)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_client_disconnect_mid_stream_frees_the_slot(long_small):
+    small, max_tokens = long_small, LONG_POSITIONS - 96
     assert small.wait_idle()["active"] == 0
     steps_before = small.metrics()[("toolkit_batch_size_count", ())]
-    payload = {"prompt": "hello", "max_tokens": SERVER_MAX_TOKENS, "temperature": 0, "stream": True}
+    payload = {"prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", small.url + "/v1/completions", json=payload) as r:
             assert r.status_code == 200
@@ -530,7 +547,8 @@ def test_client_disconnect_mid_stream_frees_the_slot(small):
     state = small.wait_idle(timeout=10)
     assert state["active"] == 0 and state["queued"] == 0, state
     steps = small.metrics()[("toolkit_batch_size_count", ())] - steps_before
-    assert steps < SERVER_MAX_TOKENS - 1, f"the disconnected request decoded all {steps} steps"
+    assert steps < max_tokens - 1, f"the disconnected request decoded all {steps} steps"
+    assert small.metrics()[("toolkit_requests_cancelled_total", (("reason", "disconnect"),))] == 1
     # the one slot is free: a new request is served at once
     r = post(small, "/v1/completions", {"prompt": "hi", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
