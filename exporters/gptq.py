@@ -9,8 +9,11 @@ layer's output on such inputs, not each weight, stays close: it minimises E|x (W
 Each block of 32 rows (one MatMulNBits block per output column) takes its scale and integer zero point when its
 first row comes up, from the rows as the earlier errors have moved them, by the k-quant search
 (exporters/kquant.search_zero_point, weighted by H's diagonal, each channel's mean square); the rows are then
-rounded onto that grid. The result is round-to-nearest's layout (uint8 zero points, no offsets), so it decodes
-at round-to-nearest's speed.
+rounded onto that grid. With integer zero points (the default) the result is round-to-nearest's layout (uint8
+zero points, no offsets), so it decodes at round-to-nearest's speed. With float minimums ("offsets") each block's
+scale and minimum come from the k-quant search for a float minimum (exporters/kquant.search, the same weighting),
+held as offsets beside the MatMulNBits as the k-quant recipes hold them: slower to decode, and a grid that can put
+a level where integer zero points cannot.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 
 from exporters.gguf_blocks import NBitsWeight, pack4
-from exporters.kquant import search_zero_point
+from exporters.kquant import search, search_zero_point
 
 # Of H's mean diagonal, added to its diagonal. GPTQ's paper adds 1 %, for H from 128 x 2048 tokens; from the
 # recipe's 2048 sampled tokens H is close to singular for a K of 1536, and at 1 % GPTQ fits the calibration text
@@ -27,11 +30,18 @@ from exporters.kquant import search_zero_point
 # 1.7-2.3x on other text); 30 % keeps q, o, gate and down at 0.6-1.2x on other text (benchmarks/gptq_heldout.py).
 DAMPING = 0.3
 BATCH = 128  # rows whose error moves onto the rest in one product (GPTQ's lazy batch updates)
+ZERO_POINTS = ("integer", "offsets")
 
 
-def gptq_blocks(weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_size: int = 32) -> NBitsWeight:
-    """The MatMulNBits weight (integer zero points) of float `weight` [K, N] (a MatMul's B) whose input x has
-    second moment `hessian` [K, K] = E[x^T x] on a calibration text."""
+def gptq_blocks(
+    weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_size: int = 32, zero_points: str = "integer"
+) -> NBitsWeight:
+    """The MatMulNBits weight of float `weight` [K, N] (a MatMul's B) whose input x has second moment `hessian`
+    [K, K] = E[x^T x] on a calibration text; zero_points: each block's minimum, "integer" (uint8 zero points) or
+    "offsets" (a float minimum)."""
+    if zero_points not in ZERO_POINTS:
+        raise ValueError(f"zero_points: expected one of {ZERO_POINTS}, got {zero_points!r}")
+    offsets = zero_points == "offsets"
     k, n = weight.shape
     if hessian.shape != (k, k):
         raise ValueError(f"hessian: expected shape ({k}, {k}), got {hessian.shape}")
@@ -48,6 +58,7 @@ def gptq_blocks(weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_si
     codes = np.empty((n, k), np.uint8)
     scales = np.empty((n, k // block_size), np.float32)
     zeros = np.empty((n, k // block_size), np.uint8)
+    minimums = np.empty((n, k // block_size), np.float32)
     for start in range(0, k, BATCH):
         stop = min(start + BATCH, k)
         rows = w[:, start:stop].clone()  # [N, batch]
@@ -57,23 +68,37 @@ def gptq_blocks(weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_si
             at = start + i
             if at % block_size == 0:  # this block's grid, from its rows as the earlier errors left them
                 group = rows[:, i : i + block_size].to(torch.float32).numpy()
-                _, s, z = search_zero_point(
-                    group, top, None, np.broadcast_to(importance[at : at + block_size], group.shape)
-                )
-                scales[:, at // block_size], zeros[:, at // block_size] = s, z
+                weighting = np.broadcast_to(importance[at : at + block_size], group.shape)
+                if offsets:
+                    _, s, m = search(group, top, None, weighting)
+                    minimums[:, at // block_size] = m
+                    low = torch.from_numpy(m).to(torch.float64)
+                else:
+                    _, s, z = search_zero_point(group, top, None, weighting)
+                    zeros[:, at // block_size] = z
+                    zero = torch.from_numpy(z.astype(np.float64))
+                scales[:, at // block_size] = s
                 scale = torch.from_numpy(s).to(torch.float64)
-                zero = torch.from_numpy(z.astype(np.float64))
                 safe = torch.where(scale > 0, scale, 1.0)
             column = rows[:, i]
-            q = torch.clamp(torch.round(column / safe) + zero, 0, top)
+            if offsets:
+                q = torch.clamp(torch.round((column - low) / safe), 0, top)
+                value = scale * q + low
+            else:
+                q = torch.clamp(torch.round(column / safe) + zero, 0, top)
+                value = scale * (q - zero)
             codes[:, at] = q.to(torch.uint8).numpy()
-            error = (column - scale * (q - zero)) / u[i, i]
+            error = (column - value) / u[i, i]
             rows[:, i:] -= error[:, None] * u[i, i:][None, :]
             errors[:, i] = error
         w[:, stop:] -= errors @ upper[start:stop, stop:]
     packed = codes.reshape(n, -1, block_size)
     if bits == 4:
         packed = pack4(packed)
+    if offsets:  # stored as kquant_blocks stores them: (u - centre) s + (m + centre s)
+        added = minimums + np.float32(1 << (bits - 1)) * scales
+        return NBitsWeight(bits, packed, scales.reshape(-1), None, False, added.reshape(-1), block_size)
+    if bits == 4:
         zeros = pack4(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
     return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size)
 

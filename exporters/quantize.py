@@ -634,12 +634,14 @@ def quantizer_version(algorithm: str, imatrix: bool = False, zero_points: str | 
         "mixed": "k-quant search, the vocabulary projection at 8 bits",
         "measured": "k-quant search, the vocabulary projection and the most sensitive weights (measured) at 8 bits",
         "gptq": "GPTQ (rounding errors moved onto the rows not yet rounded by E[x^T x] on a calibration text), "
-        "each block's scale and uint8 zero point by the k-quant search",
+        "each block's scale and zero point by the k-quant search",
     }
     ours = algorithm in ("kquant", "mixed", "measured", "gptq")
     weighting = "; the search weighted by each input channel's mean square on a calibration text" if imatrix else ""
     if zero_points == "integer":
         weighting += "; integer zero points searched in place of float minimums (no offsets)"
+    elif zero_points == "offsets" and algorithm == "gptq":
+        weighting += "; float minimums searched in place of integer zero points (held as offsets)"
     elif zero_points == "auto":
         weighting += "; per weight, integer zero points unless their weighted error is far above float minimums'"
     return {

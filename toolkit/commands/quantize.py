@@ -86,10 +86,10 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
 @click.option(
     "--zero-points",
     type=click.Choice(ZERO_POINTS),
-    help="--recipe kquant|mixed|measured: each block's minimum as MatMulNBits' integer zero point (integer: "
+    help="--recipe kquant|mixed|measured|gptq: each block's minimum as MatMulNBits' integer zero point (integer: "
     "round-to-nearest's layout and decode speed), as a float minimum added by offsets beside each MatMulNBits "
     "(offsets: slower to decode), or per weight the integer one unless its weighted error is more than "
-    f"{AUTO_TOLERANCE}x the float one's (auto). [default: {DEFAULT_ZERO_POINTS}]",
+    f"{AUTO_TOLERANCE}x the float one's (auto; not gptq). [default: {DEFAULT_ZERO_POINTS}; integer for gptq]",
 )
 @click.option(
     "--q4-1",

@@ -31,6 +31,7 @@ from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
 from exporters.gguf_blocks import Q4_1_LAYOUTS
+from exporters.gptq import ZERO_POINTS as GPTQ_ZERO_POINTS
 from exporters.gptq import gptq_blocks
 from exporters.kquant import ZERO_POINT_MODES, kquant_blocks
 from exporters.quantize import (
@@ -87,8 +88,8 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 # re-rounded by ONNX Runtime's node quantizers.
 KQUANT_RECIPES = ("kquant", "mixed", "measured")
 # gptq: every MatMul weight (the vocabulary projection too) rounded by GPTQ (exporters/gptq.py), the rounding errors
-# moved onto the input channels not yet rounded by E[x^T x] on the calibration text; integer zero points, so
-# round-to-nearest's layout and speed.
+# moved onto the input channels not yet rounded by E[x^T x] on the calibration text; integer zero points unless
+# --zero-points offsets (GPTQ_ZERO_POINTS, the first the default), so by default round-to-nearest's layout and speed.
 GPTQ = "gptq"
 # GPTQ's E[x^T x] needs many more tokens than a weight has input channels (up to a few thousand); the calibration
 # text is about a hundred, so the float model continues it: GPTQ_ROWS sequences of GPTQ_TOKENS, sampled.
@@ -165,9 +166,9 @@ def quantize_artifact(
     width for HEAD_BITS_RECIPES (None: HEAD_BITS for mixed and measured, `bits` for kquant and gptq). promote_share:
     the measured recipe's largest share of the MatMul weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
-    zero_points: the k-quant recipes' block minimum, "integer" (MatMulNBits' uint8 zero points), "offsets" (a
-    float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment); None is
-    DEFAULT_ZERO_POINTS. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    zero_points: the k-quant recipes' and gptq's block minimum, "integer" (MatMulNBits' uint8 zero points),
+    "offsets" (a float minimum added beside each MatMulNBits) or, for the k-quant recipes only, "auto" (per
+    weight, ZERO_POINTS' comment); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
@@ -198,9 +199,15 @@ def quantize_artifact(
         )
     if zero_points is not None and zero_points not in ZERO_POINTS:
         raise ConfigError(f"--zero-points: expected one of {', '.join(ZERO_POINTS)}, got {zero_points!r}")
-    if zero_points is not None and recipe not in KQUANT_RECIPES:
+    if zero_points is not None and recipe not in (*KQUANT_RECIPES, GPTQ):
         raise ConfigError(
-            f"--zero-points applies to --recipe {', '.join(KQUANT_RECIPES)}, not {recipe or 'the default recipe'}"
+            f"--zero-points applies to --recipe {', '.join((*KQUANT_RECIPES, GPTQ))}, not "
+            f"{recipe or 'the default recipe'}"
+        )
+    if recipe == GPTQ and zero_points is not None and zero_points not in GPTQ_ZERO_POINTS:
+        raise ConfigError(
+            f"--zero-points {zero_points} applies to the k-quant recipes; --recipe gptq takes "
+            f"{' or '.join(GPTQ_ZERO_POINTS)}"
         )
     if promote_share is not None and not 0 < promote_share <= 1:
         raise ConfigError(f"--promote-share: expected a share in (0, 1], got {promote_share!r}")
@@ -241,7 +248,12 @@ def quantize_artifact(
         raise ConfigError(f"--bits is required{why}")
     recipe = "gguf" if gguf is not None else recipe or DEFAULT_RECIPES[bits]
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
-    zero_points = (zero_points or DEFAULT_ZERO_POINTS) if recipe in KQUANT_RECIPES else None
+    if recipe in KQUANT_RECIPES:
+        zero_points = zero_points or DEFAULT_ZERO_POINTS
+    elif recipe == GPTQ:
+        zero_points = zero_points or GPTQ_ZERO_POINTS[0]
+    else:
+        zero_points = None
     algorithm = "rtn" if recipe == "gguf" else recipe
     if recipe in HEAD_BITS_RECIPES and head_bits is None:
         head_bits = bits if recipe in ("kquant", GPTQ) else HEAD_BITS
@@ -318,8 +330,10 @@ def quantize_artifact(
         elif recipe == GPTQ:
             head_b = None if head is None else head_copy(copies, torch_weight(originals, head))
             constant = set(constant_matmul_weights(prepared, weights))
-            source_map = graph.entry.data["weights"]
-            blocks = _gptq(source, weights, constant, source_map, folded, head_b, bits, block_size, progress, head_bits)
+            blocks = _gptq(
+                source, weights, constant, graph.entry.data["weights"], folded, head_b, progress,
+                bits=bits, head_bits=head_bits, block_size=block_size, zero_points=zero_points, chosen=chosen,
+            )  # fmt: skip
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
         if blocks is not None:
             quantized, count = quantize_proto_blocks(prepared, weights, blocks, accuracy_level=accuracy_level)
@@ -366,7 +380,7 @@ def quantize_artifact(
         "source": {"directory": str(source_dir.resolve()), "manifest_sha256": sha256_file(source_dir / MANIFEST_FILE)},
         "head_bits": head_bits,  # the vocabulary projection's width where the recipe rounds it itself, else None
         "imatrix": imatrix,  # the k-quant search weighted by each input channel's mean square
-        "zero_points": zero_points,  # the k-quants' block minimums: integer zero points, float offsets or auto
+        "zero_points": zero_points,  # k-quant and gptq block minimums: integer zero points, float offsets or auto
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,
     }
@@ -406,15 +420,18 @@ def _gptq(
     source_map,
     folded,
     head_b,
-    bits,
-    block_size,
     progress,
-    head_bits,
+    *,
+    bits: int,
+    head_bits: int,
+    block_size: int,
+    zero_points: str,
+    chosen: dict[str, int],
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
     holds a tied head's values, found by head_copies): E[x^T x] of every one's input measured on the sampled
     calibration text (all at once, refused up front when they would not fit in half the memory available), then
-    each weight rounded by GPTQ as it is written."""
+    each weight rounded by GPTQ as it is written (counted in `chosen` by its zero points)."""
     from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
@@ -438,7 +455,11 @@ def _gptq(
     del calibrated
 
     def blocks(b):
-        return gptq_blocks(weights.array(b), moments.pop(b), head_bits if b == head_b else bits, block_size)
+        weight = gptq_blocks(
+            weights.array(b), moments.pop(b), head_bits if b == head_b else bits, block_size, zero_points
+        )
+        chosen["integer" if weight.offsets is None else "offsets"] += 1
+        return weight
 
     return blocks
 

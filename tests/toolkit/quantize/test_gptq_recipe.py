@@ -212,3 +212,46 @@ def test_measured_keeps_the_head_at_head_bits_with_every_other_weight_promoted(s
 def test_head_bits_is_refused_where_it_means_nothing(source, tmp_path, options, fragment):  # noqa: F811
     assert_user_error(invoke("quantize", source.directory, *options, "--out", tmp_path / "q"), fragment)
     assert not (tmp_path / "q").exists()
+
+
+def test_gptq_with_float_minimums_holds_them_as_offsets(source, quantized, tmp_path, monkeypatch):  # noqa: F811
+    """--recipe gptq --zero-points offsets --head-bits 8: mixed's layout (float minimums as offsets beside each
+    4-bit MatMulNBits, an 8-bit head), every weight rounded by GPTQ; logits on held-out text of the float model's
+    own nearer the float model's than round-to-nearest's and mixed's, the manifest and the quantizer entry say
+    so, and the artifact checks against its dequantized reference with cached decode steps."""
+    options = ("--bits", 4, "--accuracy-level", 0, "--greedy-tokens", 2)
+    made = {}
+    for name, extra in (
+        ("gptq", ("--recipe", "gptq", "--zero-points", "offsets", "--head-bits", 8)),
+        ("mixed", ("--recipe", "mixed")),
+    ):
+        result = invoke("quantize", source.directory, *options, *extra, "--out", tmp_path / name)
+        assert result.exit_code == 0, result.output
+        made[name] = open_artifact(tmp_path / name)
+    quantization = made["gptq"].manifest.quantization
+    proto = onnx.load(str(made["gptq"].model_path))
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert quantization["zero_points"] == "offsets"
+    assert quantization["zero_points_chosen"] == {"integer": 0, "offsets": len(nodes)}
+    assert "float minimums" in quantization["quantizer"]["algorithm"]
+    assert len([i for i in proto.graph.initializer if i.name.endswith("_offsets")]) == len(nodes)
+    assert not [n for n in nodes if len(n.input) > 3 and n.input[3]]  # no integer zero points
+    assert _head_and_rest(proto, artifact_config(source).vocab_size)[1:] == (8, {4})
+    with monkeypatch.context() as patch:
+        patch.setattr(sensitivity, "SAMPLING_SEED", 1)
+        held_out = sampled_calibration(source, calibration(source), 8, 48).feed["input_ids"]
+    float_logits = ort_logits(source, held_out)
+    error = {name: np.abs(ort_logits(artifact, held_out) - float_logits).mean() for name, artifact in made.items()}
+    error["rtn"] = np.abs(ort_logits(quantized[4][0], held_out) - float_logits).mean()
+    assert error["gptq"] < min(error["rtn"], error["mixed"]), error
+    check = cross_check(made["gptq"], ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
+    assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
+
+
+def test_gptq_takes_integer_or_offsets_zero_points_only(source, tmp_path):  # noqa: F811
+    result = invoke("quantize", source.directory, "--recipe", "gptq", "--bits", 4, "--zero-points", "auto", "--out",
+                    tmp_path / "q")  # fmt: skip
+    assert_user_error(
+        result, "--zero-points auto applies to the k-quant recipes; --recipe gptq takes integer or offsets"
+    )
+    assert not (tmp_path / "q").exists()
