@@ -330,8 +330,9 @@ def quantize_artifact(
         elif recipe == GPTQ:
             head_b = None if head is None else head_copy(copies, torch_weight(originals, head))
             constant = set(constant_matmul_weights(prepared, weights))
+            order = [n.input[1] for n in prepared.graph.node if n.op_type == "MatMul" and n.input[1] in constant]
             blocks = _gptq(
-                source, weights, constant, graph.entry.data["weights"], folded, head_b, progress,
+                source, weights, constant, graph.entry.data["weights"], folded, head_b, progress, order=order,
                 bits=bits, head_bits=head_bits, block_size=block_size, zero_points=zero_points, chosen=chosen,
             )  # fmt: skip
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
@@ -422,6 +423,7 @@ def _gptq(
     head_b,
     progress,
     *,
+    order: list[str],
     bits: int,
     head_bits: int,
     block_size: int,
@@ -429,9 +431,11 @@ def _gptq(
     chosen: dict[str, int],
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
-    holds a tied head's values, found by head_copies): E[x^T x] of every one's input measured on the sampled
-    calibration text (all at once, refused up front when they would not fit in half the memory available), then
-    each weight rounded by GPTQ as it is written (counted in `chosen` by its zero points)."""
+    holds a tied head's values, found by head_copies; `order`: them in the order blocks(b) is asked for them):
+    E[x^T x] of each one's input measured on the sampled calibration text, then each weight rounded by GPTQ as it
+    is written (counted in `chosen` by its zero points). The second moments are measured in as few forward passes
+    as hold them in half the memory available once the float model is loaded, each pass for the next weights in
+    `order`, when the first of them is asked for; a weight whose own would not fit is refused up front."""
     from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
@@ -441,20 +445,39 @@ def _gptq(
                 f"--recipe gptq: MatMul weight {b!r} has K {dims[b][0]}, not a multiple of --block-size {block_size}; "
                 "use --recipe mixed or a block size that divides it"
             )
-    need = sum(8 * dims[b][0] ** 2 for b in matmul_b)
-    free = available_memory()
-    if free is not None and need > free / 2:
-        raise ConfigError(
-            f"--recipe gptq holds E[x^T x] of every MatMul input at once: {need / 2**30:.1f} GiB for this model, "
-            f"more than half of the {free / 2**30:.1f} GiB available; use --recipe mixed"
-        )
+    need = {b: 8 * dims[b][0] ** 2 for b in matmul_b}
+    largest = max(sorted(need), key=need.get)
+
+    def refuse_beyond(free):
+        if free is not None and need[largest] > free / 2:
+            raise ConfigError(
+                f"--recipe gptq holds E[x^T x] of each MatMul input: {largest!r} (K {dims[largest][0]}) alone takes "
+                f"{need[largest] / 2**30:.1f} GiB, more than half of the {free / 2**30:.1f} GiB available; use "
+                "--recipe mixed"
+            )
+
+    refuse_beyond(available_memory())
     progress(f"writing a calibration text of {GPTQ_ROWS} x {GPTQ_TOKENS} tokens with the float model on ort-cpu")
     calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS)
-    progress(f"measuring E[x^T x] of the inputs of {len(matmul_b)} MatMul weights on it")
-    moments = hessians(calibrated, matmul_b, source_map, folded, {head_b: HEAD} if head_b else {})
+    free = available_memory()
+    refuse_beyond(free)
+    passes = _passes([b for b in order if b in matmul_b], need, None if free is None else free // 2)
+    progress(
+        f"measuring E[x^T x] of the inputs of {len(matmul_b)} MatMul weights on it"
+        + (f", in {len(passes)} passes to fit half the memory available" if len(passes) > 1 else "")
+    )
+    held = {"calibrated": calibrated}
     del calibrated
+    moments = {}
 
     def blocks(b):
+        if b not in moments:
+            group = next(g for g in passes if b in g)
+            passes.remove(group)
+            also = {head_b: HEAD} if head_b in group else {}
+            moments.update(hessians(held["calibrated"], group, source_map, folded, also))
+            if not passes:
+                held.clear()  # the float model goes once every second moment is measured
         weight = gptq_blocks(
             weights.array(b), moments.pop(b), head_bits if b == head_b else bits, block_size, zero_points
         )
@@ -462,6 +485,20 @@ def _gptq(
         return weight
 
     return blocks
+
+
+def _passes(order: list[str], need: dict[str, int], budget: int | None) -> list[set[str]]:
+    """`order` cut into consecutive groups whose `need` sums to at most `budget` (one group when None), every
+    weight in one group even where `order` misses it (at the end)."""
+    order = list(dict.fromkeys(order)) + sorted(set(need) - set(order))
+    groups, size = [], 0
+    for b in order:
+        if not groups or (budget is not None and size + need[b] > budget):
+            groups.append(set())
+            size = 0
+        groups[-1].add(b)
+        size += need[b]
+    return groups
 
 
 def _recipe(recipe: str | None, algorithm: str | None, block_size: int | None) -> str | None:

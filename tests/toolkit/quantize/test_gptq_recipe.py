@@ -255,3 +255,32 @@ def test_gptq_takes_integer_or_offsets_zero_points_only(source, tmp_path):  # no
         result, "--zero-points auto applies to the k-quant recipes; --recipe gptq takes integer or offsets"
     )
     assert not (tmp_path / "q").exists()
+
+
+def test_gptq_measures_in_passes_what_half_the_memory_cannot_hold_at_once(source, tmp_path, monkeypatch):  # noqa: F811
+    """With half the memory available holding only the largest weight's E[x^T x], the recipe measures the second
+    moments in several forward passes and writes exactly the weights of one pass; a weight whose own would not
+    fit is refused up front, with the numbers, before any output is written."""
+    from toolkit import memory
+
+    monkeypatch.setenv("TOOLKIT_PROGRESS", "1")  # the progress lines say how many passes
+    config = artifact_config(source)
+    largest = 8 * max(config.width, config.ff_width) ** 2
+    options = ("--recipe", "gptq", "--bits", 4, "--greedy-tokens", 2)
+    result = invoke("quantize", source.directory, *options, "--out", tmp_path / "one")
+    assert result.exit_code == 0 and "passes to fit" not in result.stderr, result.stderr
+    monkeypatch.setattr(memory, "available_memory", lambda: 2 * largest + 16)
+    result = invoke("quantize", source.directory, *options, "--out", tmp_path / "passes")
+    assert result.exit_code == 0, result.output
+    assert "passes to fit half the memory available" in result.stderr, result.stderr
+    made = {}
+    for name in ("one", "passes"):
+        proto = onnx.load(str(open_artifact(tmp_path / name).model_path))
+        made[name] = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    assert made["one"].keys() == made["passes"].keys()
+    assert all(np.array_equal(made["one"][k], made["passes"][k]) for k in made["one"])
+    monkeypatch.setattr(memory, "available_memory", lambda: largest)
+    monkeypatch.delenv("TOOLKIT_PROGRESS")
+    result = invoke("quantize", source.directory, *options, "--out", tmp_path / "refused")
+    assert_user_error(result, "alone takes", "more than half of the", "use --recipe mixed")
+    assert not (tmp_path / "refused").exists()
