@@ -37,6 +37,8 @@ openai = import_or_skip("openai", reason="the OpenAI client is the test extra th
 
 GREEDY = Sampling()
 SERVER_MAX_TOKENS = 120  # --max-tokens of every server here
+LONG_POSITIONS = 4096  # long_lm's context
+LONG_TOKENS = LONG_POSITIONS - 96  # an answer this long outlasts any delay in noticing a close or a shutdown
 SMALL = ("--max-batch", "1", "--max-queue", "1")
 REPO = Path(__file__).resolve().parents[3]
 PROMPTS = [
@@ -134,6 +136,13 @@ class Server:
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
     return tiny_lm(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def long_lm(tmp_path_factory):
+    """The same recipe with LONG_POSITIONS of context: for tests that race the server against a request that
+    must still be decoding (a close, a shutdown), since the 128-position model's answers end within a second."""
+    return tiny_lm(tmp_path_factory, max_positions=LONG_POSITIONS)
 
 
 @pytest.fixture(scope="module")
@@ -516,15 +525,11 @@ def test_full_queue_is_429_with_retry_after_and_spares_the_others(small, lm):
     assert small.wait_idle() == {"status": "ok", "active": 0, "queued": 0}
 
 
-LONG_POSITIONS = 4096  # a request this long outlasts any delay in noticing a closed connection
-
-
 @pytest.fixture
-def long_small(tmp_path_factory, tmp_path):
-    """A batch-1, queue-1 server whose model and --max-tokens allow a 4000-token answer, so a disconnected
+def long_small(long_lm, tmp_path):
+    """A batch-1, queue-1 server whose model and --max-tokens allow a LONG_TOKENS answer, so a disconnected
     stream cannot finish its decode before the server sees the close."""
-    long_lm = tiny_lm(tmp_path_factory, max_positions=LONG_POSITIONS)
-    server = Server(long_lm.directory, tmp_path / "long.log", "--max-tokens", str(LONG_POSITIONS - 96), *SMALL)
+    server = Server(long_lm.directory, tmp_path / "long.log", "--max-tokens", str(LONG_TOKENS), *SMALL)
     try:
         server.wait_ready()
         yield server
@@ -533,7 +538,7 @@ def long_small(tmp_path_factory, tmp_path):
 
 
 def test_client_disconnect_mid_stream_frees_the_slot(long_small):
-    small, max_tokens = long_small, LONG_POSITIONS - 96
+    small, max_tokens = long_small, LONG_TOKENS
     assert small.wait_idle()["active"] == 0
     steps_before = small.metrics()[("toolkit_batch_size_count", ())]
     payload = {"prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "stream": True}

@@ -22,7 +22,16 @@ import time
 import httpx
 import pytest
 
-from tests.toolkit.serve.test_server import REPO, SERVER_MAX_TOKENS, Server, error_of, free_port, lm  # noqa: F401
+from tests.toolkit.serve.test_server import (  # noqa: F401 (fixtures)
+    LONG_TOKENS,
+    REPO,
+    SERVER_MAX_TOKENS,
+    Server,
+    error_of,
+    free_port,
+    lm,
+    long_lm,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -392,11 +401,11 @@ def test_an_answer_past_the_request_timeout_ends_with_504(lm, tmp_path):  # noqa
         server.stop()
 
 
-def test_a_non_streaming_client_that_leaves_frees_its_row(lm, tmp_path):  # noqa: F811
-    server = started(lm, tmp_path, "--max-batch", "1", "--max-tokens", str(SERVER_MAX_TOKENS))
+def test_a_non_streaming_client_that_leaves_frees_its_row(long_lm, tmp_path):  # noqa: F811
+    server = started(long_lm, tmp_path, "--max-batch", "1", "--max-tokens", str(LONG_TOKENS))
     try:
         steps_before = server.metrics()[("toolkit_batch_size_count", ())]
-        payload = {"prompt": "hello", "max_tokens": SERVER_MAX_TOKENS, "temperature": 0}
+        payload = {"prompt": "hello", "max_tokens": LONG_TOKENS, "temperature": 0}
         blockers = []
         for _ in range(4):  # requests queued behind one row; each client gives up at once
             with pytest.raises(httpx.TimeoutException):
@@ -405,7 +414,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_row(lm, tmp_path):  # noqa
         state = server.wait_idle(timeout=20)
         assert state["active"] == 0 and state["queued"] == 0, state
         steps = server.metrics()[("toolkit_batch_size_count", ())] - steps_before
-        assert steps < len(blockers) * (SERVER_MAX_TOKENS - 1), f"abandoned requests decoded {steps} steps"
+        assert steps < len(blockers) * (LONG_TOKENS - 1), f"abandoned requests decoded {steps} steps"
         text = httpx.get(server.url + "/metrics", timeout=5).text
         count = float(text.split('toolkit_requests_cancelled_total{reason="disconnect"} ')[1].split()[0])
         assert count >= 1, text
@@ -413,15 +422,16 @@ def test_a_non_streaming_client_that_leaves_frees_its_row(lm, tmp_path):  # noqa
         server.stop()
 
 
-def test_shutdown_ends_late_streams_with_a_final_event(lm, tmp_path):  # noqa: F811
+def test_shutdown_ends_late_streams_with_a_final_event(long_lm, tmp_path):  # noqa: F811
     """SIGTERM with requests running and queued (batch 1): past the grace period every stream still gets a
-    final event and [DONE], and the process exits 0 without a traceback."""
+    final event and [DONE], and the process exits 0 without a traceback. Answers of LONG_TOKENS keep the first
+    request decoding and the rest queued while the clients connect."""
     clients = 32
     server = started(
-        lm, tmp_path, "--max-batch", "1", "--max-queue", str(clients), "--shutdown-grace", "0.1",
-        "--max-tokens", str(SERVER_MAX_TOKENS),
+        long_lm, tmp_path, "--max-batch", "1", "--max-queue", str(clients), "--shutdown-grace", "0.1",
+        "--max-tokens", str(LONG_TOKENS),
     )  # fmt: skip
-    payload = {"prompt": "hello", "max_tokens": SERVER_MAX_TOKENS, "temperature": 0, "stream": True}
+    payload = {"prompt": "hello", "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True}
 
     answered = threading.Semaphore(0)
 
