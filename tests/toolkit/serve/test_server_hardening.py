@@ -442,11 +442,15 @@ def test_shutdown_ends_late_streams_with_a_final_event(long_lm, tmp_path):  # no
 
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(stream) for _ in range(clients)]
-        # SIGTERM only once the server holds every request: a connection still in the listen backlog is
-        # reset by the closing socket, which is no stream the server could have ended
-        for _ in range(clients):
-            assert answered.acquire(timeout=30), server.health()
-        assert server.health()["queued"] >= clients // 4  # the later ones wait behind the one row
+        try:
+            # SIGTERM only once the server holds every request: a connection still in the listen backlog is
+            # reset by the closing socket, which is no stream the server could have ended
+            for _ in range(clients):
+                assert answered.acquire(timeout=30), server.health()
+            assert server.health()["queued"] >= clients // 4  # the later ones wait behind the one row
+        except BaseException:
+            server.stop()  # ends the streams, so the pool can finish, and leaves no server behind
+            raise
         server.proc.send_signal(signal.SIGTERM)
         results = [f.result(timeout=60) for f in futures]
     code = server.proc.wait(timeout=30)
