@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from exporters.gguf_blocks import NBitsWeight, pack4
-from exporters.kquant import search, search_zero_point
+from exporters.kquant import held_offsets, search, search_zero_point
 
 # Of H's mean diagonal, added to its diagonal. GPTQ's paper adds 1 %, for H from 128 x 2048 tokens; from the
 # recipe's 2048 sampled tokens H is close to singular for a K of 1536, and at 1 % GPTQ fits the calibration text
@@ -95,9 +95,10 @@ def gptq_blocks(
     packed = codes.reshape(n, -1, block_size)
     if bits == 4:
         packed = pack4(packed)
-    if offsets:  # stored as kquant_blocks stores them: (u - centre) s + (m + centre s)
-        added = minimums + np.float32(1 << (bits - 1)) * scales
-        return NBitsWeight(bits, packed, scales.reshape(-1), None, False, added.reshape(-1), block_size)
+    if offsets:
+        return NBitsWeight(
+            bits, packed, scales.reshape(-1), None, False, held_offsets(minimums, scales, bits), block_size
+        )
     if bits == 4:
         zeros = pack4(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
     return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size)

@@ -95,9 +95,15 @@ def kquant_blocks(
         if bits == 4:  # two per byte, low nibble first; an odd count of blocks leaves the last high nibble 0
             zeros = pack4(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
         return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size, partial)
-    centre = 1 << (bits - 1)  # (u - centre) s + (m + centre s): the integer part spread like the weights
-    offsets = minimums + np.float32(centre) * scales
-    return NBitsWeight(bits, packed, scales.reshape(-1), None, False, offsets.reshape(-1), block_size, partial)
+    return NBitsWeight(
+        bits, packed, scales.reshape(-1), None, False, held_offsets(minimums, scales, bits), block_size, partial
+    )
+
+
+def held_offsets(minimums: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """The flat offsets of blocks s u + m (u in 0..2^bits - 1) under MatMulNBits' default zero point, the centre:
+    (u - centre) s + (m + centre s), the integer part spread like the weights."""
+    return (minimums + np.float32(1 << (bits - 1)) * scales).reshape(-1)
 
 
 def _weighted_error(x: torch.Tensor, w: torch.Tensor, mode: str, found) -> float:

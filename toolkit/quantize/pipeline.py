@@ -461,7 +461,7 @@ def _gptq(
     calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS)
     free = available_memory()
     refuse_beyond(free)
-    passes = _passes([b for b in order if b in matmul_b], need, None if free is None else free // 2)
+    passes = _passes(order, need, None if free is None else free // 2)
     progress(
         f"measuring E[x^T x] of the inputs of {len(matmul_b)} MatMul weights on it"
         + (f", in {len(passes)} passes to fit half the memory available" if len(passes) > 1 else "")
