@@ -25,13 +25,16 @@ from toolkit.quantize.sensitivity import Calibration, weights_of
 
 class _LinearInputs(TorchFunctionMode):
     """Sums statistic(x) (x: float64 [rows, K]), and counts rows, over every F.linear call whose weight is one of
-    `watched`, by the weight's id (a tied head's weight is the embedding's, under two names)."""
+    `watched`, by the weight's id (a tied head's weight is the embedding's, under two names). Sums and means are
+    made in place: gptq's E[x^T x] of every weight is what sizes its passes, and a second copy of them all (a new
+    sum per call, a new mean per weight) would double that."""
 
     def __init__(self, watched: set[int], statistic):
         super().__init__()
         self.watched, self.statistic = watched, statistic
         self.sums: dict[int, torch.Tensor] = {}
         self.rows: dict[int, int] = {}
+        self.means: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -39,12 +42,19 @@ class _LinearInputs(TorchFunctionMode):
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
             if id(weight) in self.watched:
                 flat = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)  # (rows, K)
-                self.sums[id(weight)] = self.sums.get(id(weight), 0) + self.statistic(flat)
+                statistic = self.statistic(flat)
+                if id(weight) in self.sums:
+                    self.sums[id(weight)] += statistic
+                else:
+                    self.sums[id(weight)] = statistic
                 self.rows[id(weight)] = self.rows.get(id(weight), 0) + flat.shape[0]
         return func(*args, **kwargs)
 
     def mean(self, key: int) -> torch.Tensor | None:
-        return self.sums[key] / self.rows[key] if key in self.sums else None
+        """The mean of `key`'s statistic, divided in the sum's own memory (the sum is let go of)."""
+        if key in self.sums:
+            self.means[key] = self.sums.pop(key).div_(self.rows[key])
+        return self.means.get(key)
 
 
 def importance(calibrated: Calibration, matmul_b: set[str], source_map: dict, folded: dict) -> dict:

@@ -9,6 +9,8 @@ model's own likelihood, and the artifact to round-to-nearest's logit error and t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -28,6 +30,8 @@ from exporters.quantize import (
 )
 from models.artifacts import artifact_config, open_artifact
 from runners.eager import model_from_artifact
+from tests.models.test_checkpoints import hf_llama
+from tests.peak_memory import ROOT
 from tests.toolkit.quantize.planted import export_planted, planted_model
 from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits, quantized, source  # noqa: F401 (fixtures)
 from tests.toolkit.test_cli import assert_user_error, invoke
@@ -39,20 +43,25 @@ from toolkit.quantize.sensitivity import calibration, calibration_ids, sampled_c
 pytestmark = pytest.mark.slow
 
 
-def test_hessians_are_the_second_moments_of_each_weights_input(tmp_path):
-    """hessians(): for each MatMul B, E[x^T x] over the calibration text of the input its torch weight reads,
-    equal to forward pre-hooks' on the float64 model (q_proj, o_proj and the tied head, called as modules); the
-    tied head's B, a folded transpose the weight map does not name, only when passed as `also`."""
-    artifact = open_artifact(export_planted(tmp_path / "float", 1, [0, 32], 0.01))
+def hessian_inputs(artifact):
+    """(the constant MatMul weights, the weight map, the folded transposes, the tied head's B or None) of the
+    artifact's one graph: what hessians() takes."""
     graph = artifact.graphs[0]
     proto = onnx.load(graph.model_path)
     weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path)
     prepared, folded = prepare_proto(proto, weights)
     matmul_b = set(constant_matmul_weights(prepared, weights))
     source_map = graph.entry.data["weights"]
-    head_b = head_copy(
-        head_copies(weights, matmul_b, torch_weight(weights, source_map[HEAD])), torch_weight(weights, source_map[HEAD])
-    )
+    head = torch_weight(weights, source_map[HEAD])
+    return matmul_b, source_map, folded, head_copy(head_copies(weights, matmul_b, head), head)
+
+
+def test_hessians_are_the_second_moments_of_each_weights_input(tmp_path):
+    """hessians(): for each MatMul B, E[x^T x] over the calibration text of the input its torch weight reads,
+    equal to forward pre-hooks' on the float64 model (q_proj, o_proj and the tied head, called as modules); the
+    tied head's B, a folded transpose the weight map does not name, only when passed as `also`."""
+    artifact = open_artifact(export_planted(tmp_path / "float", 1, [0, 32], 0.01))
+    matmul_b, source_map, folded, head_b = hessian_inputs(artifact)
     assert head_b is not None and head_b not in weights_of(matmul_b, source_map, folded, head=True)
     with pytest.raises(ConfigError, match=f"MatMul weight {head_b} holds no weight"):
         hessians(calibration(artifact), matmul_b, source_map, folded)
@@ -255,6 +264,42 @@ def test_gptq_takes_integer_or_offsets_zero_points_only(source, tmp_path):  # no
         result, "--zero-points auto applies to the k-quant recipes; --recipe gptq takes integer or offsets"
     )
     assert not (tmp_path / "q").exists()
+
+
+# hessians() of every MatMul weight of an artifact in a fresh child, its peak counted from the float model loaded.
+HESSIANS_CHILD = """
+import json, sys
+from exporters.quantize import HEAD
+from models.artifacts import open_artifact
+from tests.toolkit.quantize.test_gptq_recipe import hessian_inputs
+from toolkit.bench.machine import peak_rss_kb
+from toolkit.quantize.importance import hessians
+from toolkit.quantize.sensitivity import calibration
+artifact = open_artifact(sys.argv[1])
+matmul_b, source_map, folded, head_b = hessian_inputs(artifact)
+calibrated = calibration(artifact)
+with open("/proc/self/clear_refs", "w") as handle:
+    handle.write("5")  # VmHWM from here
+base = peak_rss_kb() * 1024
+found = hessians(calibrated, matmul_b, source_map, folded, {head_b: HEAD} if head_b else {})
+print(json.dumps({"extra": peak_rss_kb() * 1024 - base, "held": sum(h.nbytes for h in found.values())}))
+"""
+
+
+def test_hessians_hold_one_copy_of_the_second_moments(tmp_path):
+    """gptq sizes its passes by E[x^T x] of the weights each measures, so measuring them costs about that once:
+    a 4-layer Llama with a 4096-wide feed-forward (520 MiB of second moments, most of them the down projections')
+    peaks 1.00x them above the loaded float model (measured; with each mean made beside its sum, 1.98x)."""
+    hf_llama(width=256, heads=4, kv_heads=2, ff=4096, layers=4, vocab=1000).save_pretrained(tmp_path / "hf")
+    exported = invoke("export", "--from", tmp_path / "hf", "--out", tmp_path / "float", "--no-verify", "--quiet")
+    assert exported.exit_code == 0, exported.output
+    out = subprocess.run(
+        [sys.executable, "-c", HESSIANS_CHILD, str(tmp_path / "float")], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["held"] > 500 * 2**20
+    assert measured["extra"] < 1.25 * measured["held"], measured
 
 
 def test_gptq_measures_in_passes_what_half_the_memory_cannot_hold_at_once(source, tmp_path, monkeypatch):  # noqa: F811
