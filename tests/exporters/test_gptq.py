@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from exporters.gptq import gptq_blocks
+import exporters.gptq
+from exporters.gptq import _inverse_cholesky, gptq_blocks
 from exporters.kquant import kquant_blocks
 from tests.exporters.test_gguf_blocks import with_offsets
 from tests.exporters.test_kquant import fixture_weights, rtn
@@ -137,3 +139,16 @@ def test_an_unknown_zero_point_mode_is_refused():
     w = fixture_weights()
     with pytest.raises(ValueError, match="zero_points: expected one of"):
         gptq_blocks(w, np.eye(w.shape[0]), zero_points="auto")
+
+
+@pytest.mark.parametrize("rows", [48, 4096])
+def test_the_inverse_cholesky_factor_is_numpys(monkeypatch, rows):
+    """GPTQ's update weights U (H^-1 = U^T U, U upper) against numpy's Cholesky factor of numpy's inverse of H,
+    with the inverse solved 48 rows at a time (the last of K 200's solves ragged) and in one solve."""
+    monkeypatch.setattr(exporters.gptq, "INVERSE_ROWS", rows)
+    x = activations(1024, 200, 6)
+    h = x.T @ x / len(x) + 0.01 * np.eye(200)
+    got = _inverse_cholesky(torch.from_numpy(h)).numpy()
+    expected = np.linalg.cholesky(np.linalg.inv(h)).T  # numpy's factor is lower: L L^T = H^-1, so U = L^T
+    assert np.array_equal(got, np.triu(got))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-10 * np.abs(expected).max())
