@@ -644,11 +644,6 @@ def quantizer_version(algorithm: str, imatrix: bool = False, zero_points: str | 
         weighting += "; float minimums searched in place of integer zero points (held as offsets)"
     elif zero_points == "auto":
         weighting += "; per weight, integer zero points unless their weighted error is far above float minimums'"
-    if algorithm == "gptq" and zero_points is not None:
-        from exporters.gptq import ACT_ORDER
-
-        if ACT_ORDER[zero_points]:
-            weighting += "; the input channels rounded loudest first (act order)"
     return {
         "tool": ("exporters.gptq" if algorithm == "gptq" else "exporters.kquant")
         if ours

@@ -123,7 +123,6 @@ def test_the_gptq_recipe_is_closer_to_float_than_round_to_nearest(source, quanti
     artifact = open_artifact(target)
     made = artifact.manifest.quantization
     assert made["quantizer"]["tool"] == "exporters.gptq" and "GPTQ" in made["quantizer"]["algorithm"]
-    assert "loudest first (act order)" in made["quantizer"]["algorithm"]
     proto = onnx.load(str(artifact.model_path))
     nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
     assert nodes and not [i for i in proto.graph.initializer if i.name.endswith("_offsets")]
@@ -244,7 +243,6 @@ def test_gptq_with_float_minimums_holds_them_as_offsets(source, quantized, tmp_p
     assert quantization["zero_points"] == "offsets"
     assert quantization["zero_points_chosen"] == {"integer": 0, "offsets": len(nodes)}
     assert "float minimums" in quantization["quantizer"]["algorithm"]
-    assert "act order" not in quantization["quantizer"]["algorithm"]
     assert len([i for i in proto.graph.initializer if i.name.endswith("_offsets")]) == len(nodes)
     assert not [n for n in nodes if len(n.input) > 3 and n.input[3]]  # no integer zero points
     assert _head_and_rest(proto, artifact_config(source).vocab_size)[1:] == (8, {4})
