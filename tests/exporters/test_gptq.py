@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import exporters.gptq
-from exporters.gptq import ACT_ORDER, DAMPING, _inverse_cholesky, gptq_blocks
-from exporters.kquant import kquant_blocks, search_zero_point
+from exporters.gptq import ACT_ORDER, _inverse_cholesky, gptq_blocks
+from exporters.kquant import kquant_blocks
 from tests.exporters.test_gguf_blocks import with_offsets
 from tests.exporters.test_kquant import fixture_weights, rtn
 
@@ -66,46 +66,6 @@ def test_act_order_keeps_the_output_better_than_channel_order_with_integer_zero_
     loudest_first = output_error(held_out, w, with_offsets(gptq_blocks(w, hessian, bits)).T)
     in_channel_order = output_error(held_out, w, gptq_blocks(w, hessian, bits, act_order=False).dequantize())
     assert loudest_first < 0.9 * in_channel_order
-
-
-def plain_gptq_in_act_order(w: np.ndarray, hessian: np.ndarray, bits: int, block_size: int = 32) -> np.ndarray:
-    """GPTQ as the paper states it, in numpy and without lazy batches: the channels loudest first, each rounded
-    onto its block's grid (searched, as exporters/kquant.search_zero_point searches, when the block's first
-    channel comes up, from its channels as they stand) and its error moved at once onto every channel after it
-    through the upper Cholesky factor of H^-1. The dequantized [K, N]."""
-    k, top = w.shape[0], (1 << bits) - 1
-    h = hessian.astype(np.float64).copy()
-    dead = np.diagonal(h) == 0
-    h[dead, dead] = 1.0
-    h[np.diag_indices(k)] += DAMPING * np.diagonal(h).mean()
-    order = np.argsort(-np.diagonal(h), kind="stable")
-    place = np.argsort(order)
-    moved = w.astype(np.float64)[order]  # [K, N], row p the channel rounded p-th
-    upper = np.linalg.cholesky(np.linalg.inv(h[np.ix_(order, order)])).T
-    importance = np.diagonal(h).astype(np.float32)
-    out, grids = np.empty_like(moved), {}
-    for p, channel in enumerate(order):
-        block = slice(channel // block_size * block_size, channel // block_size * block_size + block_size)
-        if block.start not in grids:
-            group = moved[place[block]].T.astype(np.float32)  # [N, block]
-            _, scale, zero = search_zero_point(group, top, None, np.broadcast_to(importance[block], group.shape))
-            grids[block.start] = scale.astype(np.float64), zero.astype(np.float64)
-        scale, zero = grids[block.start]
-        q = np.clip(np.round(moved[p] / np.where(scale > 0, scale, 1.0)) + zero, 0, top)
-        out[channel] = scale * (q - zero)
-        moved[p + 1 :] -= np.outer(upper[p, p + 1 :], (moved[p] - out[channel]) / upper[p, p])
-    return out
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_act_order_is_plain_gptq_in_that_order(bits):
-    """The lazy batches (BATCH rows' errors moved onto the rest in one product) and the grids searched from
-    channels past the batch change nothing: the weights are the plain algorithm's."""
-    w = fixture_weights()
-    calibration = activations(2048, w.shape[0], 1)
-    hessian = calibration.T @ calibration / len(calibration)
-    got = gptq_blocks(w, hessian, bits).dequantize()
-    np.testing.assert_allclose(got, plain_gptq_in_act_order(w, hessian, bits), rtol=0, atol=1e-6)
 
 
 def test_weights_on_the_grid_come_back_exactly():
