@@ -32,89 +32,63 @@ DAMPING = 0.3
 BATCH = 128  # rows whose error moves onto the rest in one product (GPTQ's lazy batch updates)
 INVERSE_ROWS = 2048  # rows of the inverse Cholesky factor solved in one triangular solve (_inverse_cholesky)
 ZERO_POINTS = ("integer", "offsets")
-# Whether GPTQ rounds the input channels in order of H's diagonal, loudest first ("act order"), by zero points: a
-# loud channel's error then moves onto the quiet ones, not the reverse. MatMulNBits' blocks are runs of channels,
-# so a block's grid is searched when its first channel comes up, from all its channels as the errors so far have
-# moved them. On benchmarks/recipes_offgrid.py's proxies of SmolLM2 (seed 0, 8-bit head) it lowers integer zero
-# points' perplexity rise from +10.5 to +8.5 % (permutation) and +8.9 to +8.1 % (rotation), and raises offsets'
-# from +10.2 to +10.5 % and +9.3 to +10.1 %.
-ACT_ORDER = {"integer": True, "offsets": False}
 
 
 def gptq_blocks(
-    weight: np.ndarray,
-    hessian: np.ndarray,
-    bits: int = 4,
-    block_size: int = 32,
-    zero_points: str = "integer",
-    act_order: bool | None = None,
+    weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_size: int = 32, zero_points: str = "integer"
 ) -> NBitsWeight:
     """The MatMulNBits weight of float `weight` [K, N] (a MatMul's B) whose input x has second moment `hessian`
     [K, K] = E[x^T x] on a calibration text; zero_points: each block's minimum, "integer" (uint8 zero points) or
-    "offsets" (a float minimum); act_order: round the input channels loudest first (None: ACT_ORDER's choice)."""
+    "offsets" (a float minimum)."""
     if zero_points not in ZERO_POINTS:
         raise ValueError(f"zero_points: expected one of {ZERO_POINTS}, got {zero_points!r}")
     offsets = zero_points == "offsets"
-    act_order = ACT_ORDER[zero_points] if act_order is None else act_order
     k, n = weight.shape
     if hessian.shape != (k, k):
         raise ValueError(f"hessian: expected shape ({k}, {k}), got {hessian.shape}")
     if k % block_size:
         raise ValueError(f"K {k} is not a multiple of the block size {block_size}")
     top = (1 << bits) - 1
+    w = torch.from_numpy(np.ascontiguousarray(weight.T, dtype=np.float32)).to(torch.float64)  # [N, K]
     h = torch.from_numpy(np.ascontiguousarray(hessian, dtype=np.float64)).clone()
     dead = torch.diagonal(h) == 0  # a channel the text never moved: its rows round alone, their error kept
     h[dead, dead] = 1.0
     torch.diagonal(h).add_(DAMPING * torch.diagonal(h).mean())
+    upper = _inverse_cholesky(h)  # H^-1 = U^T U, U upper: row k's update weights for the rows after it
     importance = torch.diagonal(h).to(torch.float32).numpy()
-    # order[p]: the channel rounded p-th; place[c]: where channel c comes in that order
-    order = torch.argsort(torch.diagonal(h), descending=True, stable=True) if act_order else torch.arange(k)
-    place = torch.argsort(order)
-    ordered = weight[order.numpy()] if act_order else weight  # [K, N], its rows in that order
-    w = torch.from_numpy(np.ascontiguousarray(ordered.T, dtype=np.float32)).to(torch.float64)  # [N, K]
-    upper = _inverse_cholesky(h[order][:, order] if act_order else h)  # H^-1 = U^T U in that order, U upper
     codes = np.empty((n, k), np.uint8)
     scales = np.empty((n, k // block_size), np.float32)
     zeros = np.empty((n, k // block_size), np.uint8)
     minimums = np.empty((n, k // block_size), np.float32)
-    grids = {}  # block -> (scale, scale where it is not 0, minimum or zero point), float64 [N] each
     for start in range(0, k, BATCH):
         stop = min(start + BATCH, k)
         rows = w[:, start:stop].clone()  # [N, batch]
         errors = torch.zeros_like(rows)
         u = upper[start:stop, start:stop]
         for i in range(stop - start):
-            channel = int(order[start + i])
-            block = channel // block_size
-            if block not in grids:  # the block's grid, from its channels as the earlier errors have moved them
-                places = place[block * block_size : (block + 1) * block_size]
-                inside = places < stop  # in this batch (none come before it: the block is new)
-                current = torch.empty((n, block_size), dtype=torch.float64)
-                current[:, inside] = rows[:, places[inside] - start]
-                later = places[~inside]  # past the batch: this batch's errors are not yet moved onto them
-                current[:, ~inside] = w[:, later] - errors[:, :i] @ upper[start : start + i, later]
-                group = current.to(torch.float32).numpy()
-                weighting = np.broadcast_to(importance[block * block_size : (block + 1) * block_size], group.shape)
+            at = start + i
+            if at % block_size == 0:  # this block's grid, from its rows as the earlier errors left them
+                group = rows[:, i : i + block_size].to(torch.float32).numpy()
+                weighting = np.broadcast_to(importance[at : at + block_size], group.shape)
                 if offsets:
                     _, s, m = search(group, top, None, weighting)
-                    minimums[:, block] = m
+                    minimums[:, at // block_size] = m
                     low = torch.from_numpy(m).to(torch.float64)
                 else:
                     _, s, z = search_zero_point(group, top, None, weighting)
-                    zeros[:, block] = z
-                    low = torch.from_numpy(z.astype(np.float64))
-                scales[:, block] = s
+                    zeros[:, at // block_size] = z
+                    zero = torch.from_numpy(z.astype(np.float64))
+                scales[:, at // block_size] = s
                 scale = torch.from_numpy(s).to(torch.float64)
-                grids[block] = (scale, torch.where(scale > 0, scale, 1.0), low)
-            scale, safe, low = grids[block]
+                safe = torch.where(scale > 0, scale, 1.0)
             column = rows[:, i]
             if offsets:
                 q = torch.clamp(torch.round((column - low) / safe), 0, top)
                 value = scale * q + low
             else:
-                q = torch.clamp(torch.round(column / safe) + low, 0, top)
-                value = scale * (q - low)
-            codes[:, channel] = q.to(torch.uint8).numpy()
+                q = torch.clamp(torch.round(column / safe) + zero, 0, top)
+                value = scale * (q - zero)
+            codes[:, at] = q.to(torch.uint8).numpy()
             error = (column - value) / u[i, i]
             rows[:, i:] -= error[:, None] * u[i, i:][None, :]
             errors[:, i] = error
