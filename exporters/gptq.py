@@ -113,9 +113,12 @@ def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     factoring again takes 1.56x as long at K 8192 (benchmarks/gptq_inverse_factor.py)."""
     k = h.shape[0]
     m = torch.linalg.cholesky(h.flip(0, 1))  # J H J = M M^T
-    inverse = torch.zeros_like(h)  # M^-1
+    upper = torch.zeros_like(h)  # J M^-1 J, written as each block of M^-1's rows is solved (no second K x K copy)
     for start in range(0, k, INVERSE_ROWS):
         stop = min(start + INVERSE_ROWS, k)
-        rows = torch.eye(stop, dtype=h.dtype)[start:stop]  # [rows, stop]: I's rows start:stop, up to column stop
-        inverse[start:stop, :stop] = torch.linalg.solve_triangular(m[:stop, :stop], rows, upper=False, left=False)
-    return inverse.flip(0, 1)
+        rows = torch.zeros((stop - start, stop), dtype=h.dtype)  # I's rows start:stop, up to column stop
+        rows[:, start:stop] = torch.eye(stop - start, dtype=h.dtype)
+        # M^-1[start:stop, :stop], the rest of those rows being 0
+        solved = torch.linalg.solve_triangular(m[:stop, :stop], rows, upper=False, left=False)
+        upper[k - stop : k - start, k - stop :] = solved.flip(0, 1)
+    return upper
