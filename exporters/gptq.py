@@ -110,7 +110,7 @@ def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     reversal of the channels, J H J = M M^T (M lower) gives H^-1 = (J M^-1 J)^T (J M^-1 J), and J M^-1 J is upper
     with a positive diagonal, so it is U. Rows of M^-1 are solved INVERSE_ROWS at a time against the leading block
     of M they reach (M^-1 is lower), near a triangular inverse's third of K^3; factoring H, inverting it and
-    factoring again takes 1.56x as long at K 8192 (benchmarks/gptq_inverse_factor.py)."""
+    factoring again takes 1.64x as long at K 8192 (benchmarks/gptq_inverse_factor.py)."""
     k = h.shape[0]
     m = torch.linalg.cholesky(h.flip(0, 1))  # J H J = M M^T
     upper = torch.zeros_like(h)  # J M^-1 J, written as each block of M^-1's rows is solved (no second K x K copy)
