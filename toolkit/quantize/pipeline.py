@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from artifact.errors import ConfigError, ModelFileError
-from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
+from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact, is_cache_input
 from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
@@ -235,6 +235,11 @@ def quantize_artifact(
             "quantize the float artifact it came from"
         )
     _check_language_model(source)
+    if recipe == GPTQ and not any(is_cache_input(spec.name) for spec in source.input_specs):
+        raise ConfigError(
+            f"--recipe gptq samples its calibration text from the model through its KV cache, and {source_dir} "
+            f"has none (a {source.variant} export); export it with --variant serving, or use --recipe mixed"
+        )
     text = None if perplexity_text is None else read_perplexity_text(source, perplexity_text)
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")

@@ -329,3 +329,15 @@ def test_gptq_measures_in_passes_what_half_the_memory_cannot_hold_at_once(source
     result = invoke("quantize", source.directory, *options, "--out", tmp_path / "refused")
     assert_user_error(result, "alone takes", "more than half of the", "use --recipe mixed")
     assert not (tmp_path / "refused").exists()
+
+
+def test_gptq_refuses_an_artifact_without_a_kv_cache_up_front(tmp_path):
+    """--recipe gptq samples its calibration text through the KV cache: a stages export has none, and the refusal
+    says so in the recipe's terms and names both ways on, before anything is written."""
+    config = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"family": "llama", "seed": 0, "config": config}))
+    assert invoke("export", "--config", path, "--variant", "stages", "--out", tmp_path / "stages").exit_code == 0
+    result = invoke("quantize", tmp_path / "stages", "--bits", 4, "--recipe", "gptq", "--out", tmp_path / "q")
+    assert_user_error(result, "--recipe gptq samples its calibration text", "(a stages export)", "--variant serving")
+    assert not (tmp_path / "q").exists()
