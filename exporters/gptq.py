@@ -46,8 +46,7 @@ def gptq_blocks(
     k, n = weight.shape
     if hessian.shape != (k, k):
         raise ValueError(f"hessian: expected shape ({k}, {k}), got {hessian.shape}")
-    if k % block_size:
-        raise ValueError(f"K {k} is not a multiple of the block size {block_size}")
+    blocks = -(-k // block_size)  # the last one padded where K does not fill it, as kquant_blocks pads it
     top = (1 << bits) - 1
     w = torch.from_numpy(np.ascontiguousarray(weight.T, dtype=np.float32)).to(torch.float64)  # [N, K]
     h = torch.from_numpy(np.ascontiguousarray(hessian, dtype=np.float64)).clone()
@@ -56,10 +55,10 @@ def gptq_blocks(
     torch.diagonal(h).add_(DAMPING * torch.diagonal(h).mean())
     upper = _inverse_cholesky(h)  # H^-1 = U^T U, U upper: row k's update weights for the rows after it
     importance = torch.diagonal(h).to(torch.float32).numpy()
-    codes = np.empty((n, k), np.uint8)
-    scales = np.empty((n, k // block_size), np.float32)
-    zeros = np.empty((n, k // block_size), np.uint8)
-    minimums = np.empty((n, k // block_size), np.float32)
+    codes = np.zeros((n, blocks * block_size), np.uint8)  # a padded block's padding keeps code 0
+    scales = np.empty((n, blocks), np.float32)
+    zeros = np.empty((n, blocks), np.uint8)
+    minimums = np.empty((n, blocks), np.float32)
     for start in range(0, k, BATCH):
         stop = min(start + BATCH, k)
         rows = w[:, start:stop].clone()  # [N, batch]
@@ -68,14 +67,15 @@ def gptq_blocks(
         for i in range(stop - start):
             at = start + i
             if at % block_size == 0:  # this block's grid, from its rows as the earlier errors left them
-                group = rows[:, i : i + block_size].to(torch.float32).numpy()
-                weighting = np.broadcast_to(importance[at : at + block_size], group.shape)
+                group, weighting, mask = _block(
+                    rows[:, i : i + block_size], importance[at : at + block_size], block_size
+                )
                 if offsets:
-                    _, s, m = search(group, top, None, weighting)
+                    _, s, m = search(group, top, mask, weighting)
                     minimums[:, at // block_size] = m
                     low = torch.from_numpy(m).to(torch.float64)
                 else:
-                    _, s, z = search_zero_point(group, top, None, weighting)
+                    _, s, z = search_zero_point(group, top, mask, weighting)
                     zeros[:, at // block_size] = z
                     zero = torch.from_numpy(z.astype(np.float64))
                 scales[:, at // block_size] = s
@@ -96,13 +96,28 @@ def gptq_blocks(
     packed = codes.reshape(n, -1, block_size)
     if bits == 4:
         packed = pack4(packed)
+    partial = k if k % block_size else None
     if offsets:
         return NBitsWeight(
-            bits, packed, scales.reshape(-1), None, False, held_offsets(minimums, scales, bits), block_size
+            bits, packed, scales.reshape(-1), None, False, held_offsets(minimums, scales, bits), block_size, partial
         )
     if bits == 4:
         zeros = pack4(np.pad(zeros, ((0, 0), (0, zeros.shape[1] % 2))))
-    return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size)
+    return NBitsWeight(bits, packed, scales.reshape(-1), zeros.reshape(-1), False, None, block_size, partial)
+
+
+def _block(rows: torch.Tensor, importance: np.ndarray, block_size: int):
+    """(values [N, block_size] float32, their search weighting, the mask of real values or None) of one block's
+    rows [N, r]: a block that K leaves short (r < block_size) is padded as exporters/kquant.kquant_blocks pads it,
+    with its rows' smallest value, weighted 0 and masked out of the search."""
+    group = rows.to(torch.float32).numpy()
+    r = group.shape[1]
+    if r == block_size:
+        return group, np.broadcast_to(importance, group.shape), None
+    padding = np.repeat(group.min(axis=1, keepdims=True), block_size - r, axis=1)
+    group = np.concatenate([group, padding], axis=1)
+    weighting = np.broadcast_to(np.concatenate([importance, np.zeros(block_size - r, importance.dtype)]), group.shape)
+    return group, weighting, np.broadcast_to(np.arange(block_size) < r, group.shape)
 
 
 def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:

@@ -444,12 +444,6 @@ def _gptq(
     from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
-    for b in sorted(matmul_b):
-        if dims[b][0] % block_size:
-            raise ConfigError(
-                f"--recipe gptq: MatMul weight {b!r} has K {dims[b][0]}, not a multiple of --block-size {block_size}; "
-                "use --recipe mixed or a block size that divides it"
-            )
     need = {b: 8 * dims[b][0] ** 2 for b in matmul_b}
     largest = max(sorted(need), key=need.get)
 
