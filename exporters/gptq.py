@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from exporters.gguf_blocks import NBitsWeight, pack4
-from exporters.kquant import held_offsets, search, search_zero_point
+from exporters.kquant import held_offsets, pad_last_block, search, search_zero_point
 
 # Of H's mean diagonal, added to its diagonal. GPTQ's paper adds 1 %, for H from 128 x 2048 tokens; from the
 # recipe's 2048 sampled tokens H is close to singular for a K of 1536, and at 1 % GPTQ fits the calibration text
@@ -108,16 +108,10 @@ def gptq_blocks(
 
 def _block(rows: torch.Tensor, importance: np.ndarray, block_size: int):
     """(values [N, block_size] float32, their search weighting, the mask of real values or None) of one block's
-    rows [N, r]: a block that K leaves short (r < block_size) is padded as exporters/kquant.kquant_blocks pads it,
-    with its rows' smallest value, weighted 0 and masked out of the search."""
-    group = rows.to(torch.float32).numpy()
-    r = group.shape[1]
-    if r == block_size:
-        return group, np.broadcast_to(importance, group.shape), None
-    padding = np.repeat(group.min(axis=1, keepdims=True), block_size - r, axis=1)
-    group = np.concatenate([group, padding], axis=1)
-    weighting = np.broadcast_to(np.concatenate([importance, np.zeros(block_size - r, importance.dtype)]), group.shape)
-    return group, weighting, np.broadcast_to(np.arange(block_size) < r, group.shape)
+    rows [N, r]: a block that K leaves short (r < block_size) is padded as kquant_blocks pads it."""
+    group, importance, valid = pad_last_block(rows.to(torch.float32).numpy(), importance, block_size)
+    mask = None if valid is None else np.broadcast_to(valid, group.shape)
+    return group, np.broadcast_to(importance, group.shape), mask
 
 
 def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,23 @@ ZERO_POINT_MODES = ("auto", "integer", "offsets")
 AUTO_TOLERANCE = 1.5
 
 
+def pad_last_block(
+    rows: np.ndarray, importance: np.ndarray | None, block_size: int
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(rows, importance, valid) of rows [N, K] whose last block K leaves short, padded as MatMulNBits pads it: the
+    padding repeats that block's smallest value (so the block's range is its own), weighs 0 in `importance` [K]
+    and is False in `valid` [K + pad]; unchanged, with valid None, where K fills its blocks."""
+    k = rows.shape[1]
+    if k % block_size == 0:
+        return rows, importance, None
+    pad = block_size - k % block_size
+    last = rows[:, k - (block_size - pad) :].min(axis=1, keepdims=True)
+    rows = np.concatenate([rows, np.repeat(last, pad, axis=1)], axis=1)
+    if importance is not None:
+        importance = np.concatenate([importance, np.zeros(pad, dtype=importance.dtype)])
+    return rows, importance, np.arange(k + pad) < k
+
+
 def kquant_blocks(
     weight: np.ndarray,
     bits: int = 4,
@@ -50,15 +67,9 @@ def kquant_blocks(
     if importance is not None and importance.shape != (k,):
         raise ValueError(f"importance: expected shape ({k},), got {importance.shape}")
     rows = np.ascontiguousarray(weight.T, dtype=np.float32)  # [N, K]: one row of blocks per output column
-    valid = None
-    if k % block_size:
-        pad = block_size - k % block_size
-        last = rows[:, k - (block_size - pad) :].min(axis=1, keepdims=True)
-        rows = np.concatenate([rows, np.repeat(last, pad, axis=1)], axis=1)
-        valid = np.arange(k + pad) < k
-        k_real, k = k, k + pad
-        if importance is not None:
-            importance = np.concatenate([importance, np.zeros(pad, dtype=importance.dtype)])
+    rows, importance, valid = pad_last_block(rows, importance, block_size)
+    if valid is not None:
+        k_real, k = k, rows.shape[1]
     modes = ("integer", "offsets") if zero_points == "auto" else (zero_points,)
     # Per mode: codes [N, K], scales [N, blocks], minimums or integer zero points [N, blocks], weighted error.
     made = {mode: [np.empty((n, k), np.uint8), np.empty((n, k // block_size), np.float32), None, 0.0] for mode in modes}

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from artifact.errors import ConfigError, ModelFileError
-from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact, is_cache_input
+from artifact.format import CUSTOM_DOMAIN, MANIFEST_FILE, Artifact
 from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
@@ -52,6 +52,7 @@ from exporters.quantize import (
     torch_weight,
 )
 from models.artifacts import artifact_config, open_artifact
+from models.registry import has_cache
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
 from toolkit.quantize.importance import hessians, importance
 from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure, sampled_calibration
@@ -235,7 +236,7 @@ def quantize_artifact(
             "quantize the float artifact it came from"
         )
     _check_language_model(source)
-    if recipe == GPTQ and not any(is_cache_input(spec.name) for spec in source.input_specs):
+    if recipe == GPTQ and not has_cache(source.input_specs):
         raise ConfigError(
             f"--recipe gptq samples its calibration text from the model through its KV cache, and {source_dir} "
             f"has none (a {source.variant} export); export it with --variant serving, or use --recipe mixed"
