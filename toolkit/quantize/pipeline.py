@@ -470,6 +470,79 @@ def _gptq(
     del calibrated
     moments = {}
 
+    import os
+
+    if os.environ.get("TOOLKIT_GPTQ_SEQUENTIAL"):
+        import torch
+
+        from exporters.quantize import _reconstruct
+        from toolkit.quantize.sensitivity import weights_of
+
+        model = held["calibrated"].model
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        entries = weights_of(matmul_b, source_map, folded)
+
+        asymmetric = os.environ.get("TOOLKIT_GPTQ_SEQUENTIAL") == "asymmetric"
+        if asymmetric:
+            reference = calibration(source)
+            reference = type(reference)(reference.model, reference.runner, held["calibrated"].feed)
+            reference_parameters = dict(reference.model.named_parameters(remove_duplicate=False))
+            every = weights_of(matmul_b, source_map, folded, head=True)
+            if head_b is not None:
+                every.setdefault(head_b, [{"name": HEAD}])
+
+        def inputs_of(calibrated, parameter):
+            import torch.nn.functional as F
+            from torch.overrides import TorchFunctionMode
+
+            class Stop(Exception):
+                pass
+
+            class Capture(TorchFunctionMode):
+                def __torch_function__(self, func, types, args=(), kwargs=None):
+                    kwargs = kwargs or {}
+                    if func is F.linear and (args[1] if len(args) > 1 else kwargs["weight"]) is parameter:
+                        self.x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+                        raise Stop
+                    return func(*args, **kwargs)
+
+            capture = Capture()
+            with capture, torch.no_grad():
+                try:
+                    calibrated.runner.run(calibrated.feed)
+                except Stop:
+                    pass
+            return capture.x
+
+        def sequential(b):
+            also = {head_b: HEAD} if b == head_b else {}
+            w = weights.array(b)
+            if asymmetric and b != head_b:
+                name = every[b][0]["name"]
+                xq = inputs_of(held["calibrated"], parameters[name])
+                xf = inputs_of(reference, reference_parameters[name])
+                h = (xq.T @ xq / xq.shape[0]).numpy()
+                cross = (xq.T @ xf / xq.shape[0]).numpy()
+                damped = h.copy()
+                damped[np.diag_indices_from(damped)] += 0.3 * np.diagonal(h).mean()
+                w = (w.astype(np.float64) + np.linalg.solve(damped, (cross - h) @ w.astype(np.float64))).astype(
+                    np.float32
+                )
+            if not asymmetric or b == head_b:
+                h = hessians(held["calibrated"], {b}, source_map, folded, also, stop=True)[b]
+            weight = gptq_blocks(w, h, head_bits if b == head_b else bits, block_size, zero_points)
+            chosen["integer" if weight.offsets is None else "offsets"] += 1
+            if b != head_b and b in entries:
+                dequantized = weight.dequantize().astype(np.float32, copy=False)
+                with torch.no_grad():
+                    for entry in entries[b]:
+                        parameters[entry["name"]].copy_(
+                            torch.from_numpy(np.ascontiguousarray(_reconstruct(dequantized, entry)))
+                        )
+            return weight
+
+        return sequential
+
     def blocks(b):
         if b not in moments:
             group = next(g for g in passes if b in g)
