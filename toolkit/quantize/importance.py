@@ -23,19 +23,15 @@ from artifact.errors import ConfigError
 from toolkit.quantize.sensitivity import Calibration, weights_of
 
 
-class _Seen(Exception):
-    """Every watched input is recorded: the rest of the forward pass is not needed."""
-
-
 class _LinearInputs(TorchFunctionMode):
     """Sums statistic(x) (x: float64 [rows, K]), and counts rows, over every F.linear call whose weight is one of
     `watched`, by the weight's id (a tied head's weight is the embedding's, under two names). Sums and means are
     made in place: gptq's E[x^T x] of every weight is what sizes its passes, and a second copy of them all (a new
     sum per call, a new mean per weight) would double that."""
 
-    def __init__(self, watched: set[int], statistic, stop: bool = False):
+    def __init__(self, watched: set[int], statistic):
         super().__init__()
-        self.watched, self.statistic, self.stop = watched, statistic, stop
+        self.watched, self.statistic = watched, statistic
         self.sums: dict[int, torch.Tensor] = {}
         self.rows: dict[int, int] = {}
         self.means: dict[int, torch.Tensor] = {}
@@ -52,8 +48,6 @@ class _LinearInputs(TorchFunctionMode):
                 else:
                     self.sums[id(weight)] = statistic
                 self.rows[id(weight)] = self.rows.get(id(weight), 0) + flat.shape[0]
-                if self.stop and set(self.sums) | set(self.means) >= self.watched:
-                    raise _Seen
         return func(*args, **kwargs)
 
     def mean(self, key: int) -> torch.Tensor | None:
@@ -91,12 +85,7 @@ def _gram(flat: torch.Tensor) -> torch.Tensor:
 
 
 def hessians(
-    calibrated: Calibration,
-    matmul_b: set[str],
-    source_map: dict,
-    folded: dict,
-    also: dict[str, str] | None = None,
-    stop: bool = False,
+    calibrated: Calibration, matmul_b: set[str], source_map: dict, folded: dict, also: dict[str, str] | None = None
 ) -> dict:
     """{B: float64 [K, K], E[x^T x] of the input of the torch weight(s) B holds} over the calibration text (GPTQ's
     H, exporters/gptq.py), for the MatMul weights `matmul_b`, the vocabulary projection's too; one per B, since a
@@ -111,11 +100,8 @@ def hessians(
         raise ConfigError(f"--recipe gptq: MatMul weight {unnamed[0]} holds no weight of the model's weight map")
     parameters = dict(calibrated.model.named_parameters(remove_duplicate=False))
     key = {b: id(parameters[entries[0]["name"]]) for b, entries in held.items()}
-    with _LinearInputs(set(key.values()), _gram, stop) as seen, torch.no_grad():
-        try:
-            calibrated.runner.run(calibrated.feed)
-        except _Seen:
-            pass
+    with _LinearInputs(set(key.values()), _gram) as seen, torch.no_grad():
+        calibrated.runner.run(calibrated.feed)
     found = {}
     for b, entries in held.items():
         mean = seen.mean(key[b])
