@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from exporters.gguf_blocks import NBitsWeight, pack4
-from exporters.kquant import held_offsets, pad_last_block, search, search_zero_point
+from exporters.kquant import AUTO_TOLERANCE, held_offsets, pad_last_block, search, search_zero_point
 
 # Of H's mean diagonal, added to its diagonal. GPTQ's paper adds 1 %, for H from 128 x 2048 tokens; from the
 # recipe's 2048 sampled tokens H is close to singular for a K of 1536, and at 1 % GPTQ fits the calibration text
@@ -31,23 +31,21 @@ from exporters.kquant import held_offsets, pad_last_block, search, search_zero_p
 DAMPING = 0.3
 BATCH = 128  # rows whose error moves onto the rest in one product (GPTQ's lazy batch updates)
 INVERSE_ROWS = 2048  # rows of the inverse Cholesky factor solved in one triangular solve (_inverse_cholesky)
-ZERO_POINTS = ("integer", "offsets")
+ZERO_POINTS = ("integer", "offsets", "auto")  # the first the default
 
 
 def gptq_blocks(
     weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_size: int = 32, zero_points: str = "integer"
 ) -> NBitsWeight:
     """The MatMulNBits weight of float `weight` [K, N] (a MatMul's B) whose input x has second moment `hessian`
-    [K, K] = E[x^T x] on a calibration text; zero_points: each block's minimum, "integer" (uint8 zero points) or
-    "offsets" (a float minimum)."""
+    [K, K] = E[x^T x] on a calibration text; zero_points: each block's minimum, "integer" (uint8 zero points),
+    "offsets" (a float minimum) or "auto" (both rounded, the integer ones kept unless their output error on the
+    calibration text, tr((W - Q)^T H (W - Q)), is more than AUTO_TOLERANCE times the float minimums')."""
     if zero_points not in ZERO_POINTS:
         raise ValueError(f"zero_points: expected one of {ZERO_POINTS}, got {zero_points!r}")
-    offsets = zero_points == "offsets"
     k, n = weight.shape
     if hessian.shape != (k, k):
         raise ValueError(f"hessian: expected shape ({k}, {k}), got {hessian.shape}")
-    blocks = -(-k // block_size)  # the last one padded where K does not fill it, as kquant_blocks pads it
-    top = (1 << bits) - 1
     w = torch.from_numpy(np.ascontiguousarray(weight.T, dtype=np.float32)).to(torch.float64)  # [N, K]
     h = torch.from_numpy(np.ascontiguousarray(hessian, dtype=np.float64)).clone()
     dead = torch.diagonal(h) == 0  # a channel the text never moved: its rows round alone, their error kept
@@ -55,6 +53,32 @@ def gptq_blocks(
     torch.diagonal(h).add_(DAMPING * torch.diagonal(h).mean())
     upper = _inverse_cholesky(h)  # H^-1 = U^T U, U upper: row k's update weights for the rows after it
     importance = torch.diagonal(h).to(torch.float32).numpy()
+    del h
+    if zero_points != "auto":
+        return _rounded(w, upper, importance, bits, block_size, zero_points == "offsets")
+    made = {
+        mode: _rounded(w.clone(), upper, importance, bits, block_size, mode == "offsets")
+        for mode in ("integer", "offsets")
+    }
+    measured = torch.from_numpy(np.ascontiguousarray(hessian, dtype=np.float64))
+    error = {mode: _output_error(weight, made[mode], measured) for mode in made}
+    return made["offsets" if error["integer"] > AUTO_TOLERANCE * error["offsets"] else "integer"]
+
+
+def _output_error(weight: np.ndarray, made: NBitsWeight, hessian: torch.Tensor) -> float:
+    """tr(D^T H D), D = weight - made's values: E|x D|^2 summed over the outputs on the calibration text."""
+    d = torch.from_numpy(weight.astype(np.float64) - made.dequantize())  # [K, N]
+    return float((d * (hessian @ d)).sum())
+
+
+def _rounded(
+    w: torch.Tensor, upper: torch.Tensor, importance: np.ndarray, bits: int, block_size: int, offsets: bool
+) -> NBitsWeight:
+    """GPTQ's rounding of w [N, K] (float64, moved in place) with update weights `upper` (the upper Cholesky
+    factor of the damped H^-1) and each block's grid searched with weighting `importance` [K]."""
+    n, k = w.shape
+    blocks = -(-k // block_size)  # the last one padded where K does not fill it, as kquant_blocks pads it
+    top = (1 << bits) - 1
     codes = np.zeros((n, blocks * block_size), np.uint8)  # a padded block's padding keeps code 0
     scales = np.empty((n, blocks), np.float32)
     zeros = np.empty((n, blocks), np.uint8)

@@ -642,6 +642,8 @@ def quantizer_version(algorithm: str, imatrix: bool = False, zero_points: str | 
         weighting += "; integer zero points searched in place of float minimums (no offsets)"
     elif zero_points == "offsets" and algorithm == "gptq":
         weighting += "; float minimums searched in place of integer zero points (held as offsets)"
+    elif zero_points == "auto" and algorithm == "gptq":
+        weighting += "; per weight, integer zero points unless their output error on the calibration text is far above float minimums'"
     elif zero_points == "auto":
         weighting += "; per weight, integer zero points unless their weighted error is far above float minimums'"
     return {

@@ -14,7 +14,7 @@ import torch
 
 import exporters.gptq
 from exporters.gptq import _inverse_cholesky, gptq_blocks
-from exporters.kquant import kquant_blocks
+from exporters.kquant import AUTO_TOLERANCE, kquant_blocks
 from tests.exporters.test_gguf_blocks import with_offsets
 from tests.exporters.test_kquant import fixture_weights, rtn
 
@@ -162,7 +162,32 @@ def test_weights_on_a_grid_of_float_minimums_come_back_exactly():
 def test_an_unknown_zero_point_mode_is_refused():
     w = fixture_weights()
     with pytest.raises(ValueError, match="zero_points: expected one of"):
-        gptq_blocks(w, np.eye(w.shape[0]), zero_points="auto")
+        gptq_blocks(w, np.eye(w.shape[0]), zero_points="float")
+
+
+def same_weight(a, b) -> bool:
+    parts = ("packed", "scales", "zero_points", "offsets")
+    return all(
+        (getattr(a, p) is None and getattr(b, p) is None) or np.array_equal(getattr(a, p), getattr(b, p)) for p in parts
+    )
+
+
+@pytest.mark.parametrize("on_grid", [False, True])
+def test_auto_keeps_integer_zero_points_unless_their_output_error_is_far_above(on_grid):
+    """auto rounds both ways and returns, bit for bit, the integer-zero-point weight unless its output error on
+    the calibration activations (numpy here: |x (W - Q)|^2) is more than AUTO_TOLERANCE times the float
+    minimums'. The heavy-tailed fixture is 2.0x with GPTQ (1.25x by the weights' own squared error, which would
+    keep integer zero points): float minimums. Values on an integer-zero-point grid: integer zero points."""
+    w = fixture_weights()  # [192, 160]
+    if on_grid:
+        w = kquant_blocks(w, zero_points="integer").dequantize()
+    x = activations(2048, w.shape[0], 1)
+    hessian = x.T @ x / len(x)
+    made = {mode: gptq_blocks(w, hessian, zero_points=mode) for mode in ("integer", "offsets", "auto")}
+    ratio = output_error(x, w, made["integer"].dequantize()) / output_error(x, w, made["offsets"].dequantize())
+    kept = "offsets" if ratio > AUTO_TOLERANCE else "integer"
+    assert kept == ("integer" if on_grid else "offsets"), ratio
+    assert same_weight(made["auto"], made[kept])
 
 
 @pytest.mark.parametrize("rows", [48, 4096])

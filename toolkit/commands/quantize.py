@@ -89,7 +89,8 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     help="--recipe kquant|mixed|measured|gptq: each block's minimum as MatMulNBits' integer zero point (integer: "
     "round-to-nearest's layout and decode speed), as a float minimum added by offsets beside each MatMulNBits "
     "(offsets: slower to decode), or per weight the integer one unless its weighted error is more than "
-    f"{AUTO_TOLERANCE}x the float one's (auto; not gptq). [default: {DEFAULT_ZERO_POINTS}; integer for gptq]",
+    f"{AUTO_TOLERANCE}x the float one's (auto; for gptq its output error on the calibration text). "
+    f"[default: {DEFAULT_ZERO_POINTS}; integer for gptq]",
 )
 @click.option(
     "--q4-1",

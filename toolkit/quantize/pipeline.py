@@ -90,7 +90,8 @@ SEED = 0  # token ids of prompts and text for artifacts without a tokenizer
 KQUANT_RECIPES = ("kquant", "mixed", "measured")
 # gptq: every MatMul weight (the vocabulary projection too) rounded by GPTQ (exporters/gptq.py), the rounding errors
 # moved onto the input channels not yet rounded by E[x^T x] on the calibration text; integer zero points unless
-# --zero-points offsets (GPTQ_ZERO_POINTS, the first the default), so by default round-to-nearest's layout and speed.
+# --zero-points offsets or auto (GPTQ_ZERO_POINTS, the first the default), so by default round-to-nearest's layout
+# and speed.
 GPTQ = "gptq"
 # GPTQ's E[x^T x] needs many more tokens than a weight has input channels (up to a few thousand); the calibration
 # text is about a hundred, so the float model continues it: GPTQ_ROWS sequences of GPTQ_TOKENS, sampled.
@@ -168,8 +169,8 @@ def quantize_artifact(
     the measured recipe's largest share of the MatMul weights' elements at 8 bits (default PROMOTED_SHARE). imatrix: weight the k-quant recipes' search by each input
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' and gptq's block minimum, "integer" (MatMulNBits' uint8 zero points),
-    "offsets" (a float minimum added beside each MatMulNBits) or, for the k-quant recipes only, "auto" (per
-    weight, ZERO_POINTS' comment); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    "offsets" (a float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment, and
+    for gptq by each weight's output error on the calibration text, exporters/gptq.py); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
@@ -204,11 +205,6 @@ def quantize_artifact(
         raise ConfigError(
             f"--zero-points applies to --recipe {', '.join((*KQUANT_RECIPES, GPTQ))}, not "
             f"{recipe or 'the default recipe'}"
-        )
-    if recipe == GPTQ and zero_points is not None and zero_points not in GPTQ_ZERO_POINTS:
-        raise ConfigError(
-            f"--zero-points {zero_points} applies to the k-quant recipes; --recipe gptq takes "
-            f"{' or '.join(GPTQ_ZERO_POINTS)}"
         )
     if promote_share is not None and not 0 < promote_share <= 1:
         raise ConfigError(f"--promote-share: expected a share in (0, 1], got {promote_share!r}")

@@ -33,6 +33,7 @@ from runners.eager import model_from_artifact
 from tests.models.test_checkpoints import hf_llama
 from tests.peak_memory import ROOT
 from tests.toolkit.quantize.planted import export_planted, planted_model
+from tests.toolkit.quantize.test_importance import LOUD, LOUDER
 from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits, quantized, source  # noqa: F401 (fixtures)
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
@@ -273,13 +274,44 @@ def test_gptq_with_float_minimums_holds_them_as_offsets(source, quantized, tmp_p
     assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
 
 
-def test_gptq_takes_integer_or_offsets_zero_points_only(source, tmp_path):  # noqa: F811
-    result = invoke("quantize", source.directory, "--recipe", "gptq", "--bits", 4, "--zero-points", "auto", "--out",
-                    tmp_path / "q")  # fmt: skip
-    assert_user_error(
-        result, "--zero-points auto applies to the k-quant recipes; --recipe gptq takes integer or offsets"
-    )
-    assert not (tmp_path / "q").exists()
+def test_gptq_auto_takes_each_weight_as_integer_or_offsets_gptq_makes_it(tmp_path):
+    """--recipe gptq --zero-points auto: each MatMulNBits weight is, bit for bit, the one --zero-points integer or
+    offsets makes of it (which one is exporters/gptq.py's rule, held there to the output error), with offsets
+    beside exactly the ones taken from offsets; the manifest counts each kind and the artifact checks against its
+    dequantized reference with cached decode steps. On the planted loud-channel model (tests/toolkit/quantize/
+    test_importance.py) the down projection whose small weights meet loud channels takes float minimums and the
+    rest integer zero points."""
+    planted = export_planted(tmp_path / "float", 1, LOUD, 1 / LOUDER)
+    options = ("--recipe", "gptq", "--bits", 4, "--accuracy-level", 0, "--greedy-tokens", 2)
+    graphs, artifacts = {}, {}
+    for mode in ("integer", "offsets", "auto"):
+        result = invoke("quantize", planted, *options, "--zero-points", mode, "--out", tmp_path / mode)
+        assert result.exit_code == 0, result.output
+        artifacts[mode] = open_artifact(tmp_path / mode)
+        graphs[mode] = onnx.load(str(artifacts[mode].model_path))
+
+    def matmuls(proto):  # [([B, scales], whether an Add adds block offsets to its output)] in graph order
+        arrays = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+        added = {
+            i for n in proto.graph.node if n.op_type == "Add" and any(x.endswith("_offsets") for x in n.input)
+            for i in n.input
+        }  # fmt: skip
+        nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+        return [([arrays[name] for name in n.input[1:3]], n.output[0] in added) for n in nodes]
+
+    made = {mode: matmuls(proto) for mode, proto in graphs.items()}
+    taken = {"integer": 0, "offsets": 0}
+    for auto, integer, offsets in zip(made["auto"], made["integer"], made["offsets"], strict=True):
+        mode = "offsets" if auto[1] else "integer"
+        other = {"integer": integer, "offsets": offsets}[mode]
+        assert other[1] == auto[1] and all(np.array_equal(a, b) for a, b in zip(auto[0], other[0], strict=True))
+        taken[mode] += 1
+    quantization = artifacts["auto"].manifest.quantization
+    assert quantization["zero_points"] == "auto" and quantization["zero_points_chosen"] == taken
+    assert taken["offsets"] >= 1 and taken["integer"] >= 1, taken
+    assert "output error" in quantization["quantizer"]["algorithm"]
+    check = cross_check(artifacts["auto"], ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
+    assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
 
 
 # hessians() of every MatMul weight of an artifact in a fresh child, its peak counted from the float model loaded.
