@@ -232,11 +232,6 @@ def quantize_artifact(
             "quantize the float artifact it came from"
         )
     _check_language_model(source)
-    if recipe == GPTQ and not has_cache(source.input_specs):
-        raise ConfigError(
-            f"--recipe gptq samples its calibration text from the model through its KV cache, and {source_dir} "
-            f"has none (a {source.variant} export); export it with --variant serving, or use --recipe mixed"
-        )
     text = None if perplexity_text is None else read_perplexity_text(source, perplexity_text)
     if out_dir.resolve() == source_dir.resolve():
         raise ModelFileError(f"--out {out_dir} is the source artifact; choose another directory")
@@ -453,7 +448,14 @@ def _gptq(
             )
 
     refuse_beyond(available_memory())
-    progress(f"writing a calibration text of {GPTQ_ROWS} x {GPTQ_TOKENS} tokens with the float model on ort-cpu")
+    progress(
+        f"writing a calibration text of {GPTQ_ROWS} x {GPTQ_TOKENS} tokens with the float model on ort-cpu"
+        + (
+            ""
+            if has_cache(source.input_specs)
+            else f" (no KV cache in this {source.variant} export: each token reads its whole row)"
+        )
+    )
     calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS)
     free = available_memory()
     refuse_beyond(free)

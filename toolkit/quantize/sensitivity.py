@@ -173,9 +173,10 @@ def sampled_calibration(source, calibrated: Calibration, rows: int, tokens: int)
     starting from its own slice of the calibration text (the text cut in `rows` pieces of equal length) and
     continued by sampling the float artifact `source` on ONNX Runtime, all rows in one batch (temperature
     SAMPLING_TEMPERATURE, no stop token): text in the model's own distribution, where no corpus ships with the
-    toolkit. Rows are cut to the model's context where it is shorter than `tokens`."""
+    toolkit. Rows are cut to the model's context where it is shorter than `tokens`. A graph without a KV cache
+    (a stages export) is fed every row whole at each token (`_whole_rows`)."""
     from models.artifacts import artifact_config
-    from models.registry import lm_defaults
+    from models.registry import has_cache, lm_defaults
     from runners.decoding.generate import CachedLM, Sampler, Sampling
     from runners.registry import create_runner
 
@@ -183,15 +184,34 @@ def sampled_calibration(source, calibrated: Calibration, rows: int, tokens: int)
     text = calibrated.feed["input_ids"][0].tolist()
     piece = max(min(len(text) // rows, tokens - 1), 1)
     ids = np.asarray([(text[i * piece : (i + 1) * piece] + text)[:piece] for i in range(rows)], dtype=np.int64)
-    lm = CachedLM(create_runner("ort-cpu", source), tokens)
+    runner = create_runner("ort-cpu", source)
+    step = CachedLM(runner, tokens).step if has_cache(runner.input_specs) else _whole_rows(runner)
     sample = Sampler(Sampling(temperature=SAMPLING_TEMPERATURE, seed=SAMPLING_SEED))
-    logits = lm.step(ids)[:, -1]
+    logits = step(ids)[:, -1]
     while ids.shape[1] < tokens:
         chosen = np.array([[sample(row)] for row in logits], dtype=np.int64)
         ids = np.concatenate([ids, chosen], axis=1)
         if ids.shape[1] < tokens:
-            logits = lm.step(chosen)[:, -1]
-    del lm
+            logits = step(chosen)[:, -1]
+    del step, runner
     return Calibration(
         calibrated.model, calibrated.runner, {"input_ids": ids, **lm_defaults(calibrated.runner.input_specs, ids)}
     )
+
+
+def _whole_rows(runner):
+    """CachedLM.step's contract (feed ids [B, T] after everything fed so far; logits [B, T, V]) for a graph without
+    a KV cache: every row is fed whole at each call, so `tokens` positions cost about tokens^2 / 2 of the cached
+    graph's, and the logits are the same function's."""
+    from models.registry import lm_defaults
+
+    fed = []
+
+    def step(ids: np.ndarray) -> np.ndarray:
+        fed.append(np.ascontiguousarray(ids, dtype=np.int64))
+        whole = np.concatenate(fed, axis=1)
+        fed[:] = [whole]
+        logits = runner.run({"input_ids": whole, **lm_defaults(runner.input_specs, whole)})["logits"]
+        return logits[:, -ids.shape[1] :]
+
+    return step

@@ -29,7 +29,10 @@ from exporters.quantize import (
     torch_weight,
 )
 from models.artifacts import artifact_config, open_artifact
+from models.registry import has_cache
+from runners.decoding.generate import CachedLM
 from runners.eager import model_from_artifact
+from runners.registry import create_runner
 from tests.models.test_checkpoints import hf_llama
 from tests.peak_memory import ROOT
 from tests.toolkit.quantize.planted import export_planted, planted_model
@@ -39,7 +42,7 @@ from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
 from toolkit.quantize import sensitivity
 from toolkit.quantize.importance import hessians
-from toolkit.quantize.sensitivity import calibration, calibration_ids, sampled_calibration, weights_of
+from toolkit.quantize.sensitivity import _whole_rows, calibration, calibration_ids, sampled_calibration, weights_of
 
 pytestmark = pytest.mark.slow
 
@@ -379,13 +382,39 @@ def test_gptq_measures_in_passes_what_half_the_memory_cannot_hold_at_once(source
     assert not (tmp_path / "refused").exists()
 
 
-def test_gptq_refuses_an_artifact_without_a_kv_cache_up_front(tmp_path):
-    """--recipe gptq samples its calibration text through the KV cache: a stages export has none, and the refusal
-    says so in the recipe's terms and names both ways on, before anything is written."""
+def test_gptq_samples_a_stages_export_whole_rows_at_a_time(tmp_path, monkeypatch):
+    """A stages export has no KV cache: the calibration text is sampled by feeding every row whole at each token.
+    It is the text the serving export of the same model samples through its cache (the same seed), and the two
+    quantize to the same MatMulNBits weights, bit for bit; the progress line says why the sampling is slower."""
     config = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128}
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"family": "llama", "seed": 0, "config": config}))
-    assert invoke("export", "--config", path, "--variant", "stages", "--out", tmp_path / "stages").exit_code == 0
-    result = invoke("quantize", tmp_path / "stages", "--bits", 4, "--recipe", "gptq", "--out", tmp_path / "q")
-    assert_user_error(result, "--recipe gptq samples its calibration text", "(a stages export)", "--variant serving")
-    assert not (tmp_path / "q").exists()
+    made = {}
+    for variant in ("stages", "serving"):
+        assert invoke("export", "--config", path, "--variant", variant, "--out", tmp_path / variant).exit_code == 0
+        artifact = open_artifact(tmp_path / variant)
+        assert has_cache(artifact.input_specs) == (variant == "serving")
+        made[variant] = sampled_calibration(artifact, calibration(artifact), 4, 40).feed["input_ids"]
+    assert np.array_equal(made["stages"], made["serving"])
+    # The text alone says little on a random model whose next token hardly depends on the context: the logits of
+    # each step, whole rows against the serving graph's cache, are held to the same function.
+    whole = _whole_rows(create_runner("ort-cpu", open_artifact(tmp_path / "stages")))
+    cached = CachedLM(create_runner("ort-cpu", open_artifact(tmp_path / "serving")), 16).step
+    rng = np.random.default_rng(0)
+    for width in (5, 1, 1, 3):
+        ids = rng.integers(0, config["vocab_size"], (2, width))
+        np.testing.assert_allclose(whole(ids), cached(ids), rtol=1e-5, atol=1e-5)
+    weights = {}
+    monkeypatch.setenv("TOOLKIT_PROGRESS", "1")
+    for variant in ("stages", "serving"):
+        options = ("--bits", 4, "--recipe", "gptq", "--greedy-tokens", 2)
+        result = invoke("quantize", tmp_path / variant, *options, "--out", tmp_path / f"q-{variant}")
+        assert result.exit_code == 0, result.output
+        assert ("no KV cache in this stages export" in result.stderr) == (variant == "stages"), result.stderr
+        proto = onnx.load(str(open_artifact(tmp_path / f"q-{variant}").model_path))
+        arrays = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+        nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+        weights[variant] = [[arrays[name] for name in n.input[1:]] for n in nodes]
+    assert len(weights["stages"]) == len(weights["serving"]) > 0
+    for a, b in zip(weights["stages"], weights["serving"], strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
