@@ -643,7 +643,10 @@ def quantizer_version(algorithm: str, imatrix: bool = False, zero_points: str | 
     elif zero_points == "offsets" and algorithm == "gptq":
         weighting += "; float minimums searched in place of integer zero points (held as offsets)"
     elif zero_points == "auto" and algorithm == "gptq":
-        weighting += "; per weight, integer zero points unless their output error on the calibration text is far above float minimums'"
+        weighting += (
+            "; per weight, integer zero points unless their output error on the calibration text is far above "
+            "float minimums'"
+        )
     elif zero_points == "auto":
         weighting += "; per weight, integer zero points unless their weighted error is far above float minimums'"
     return {
