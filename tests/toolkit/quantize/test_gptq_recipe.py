@@ -410,7 +410,9 @@ def test_gptq_samples_a_stages_export_whole_rows_at_a_time(tmp_path, monkeypatch
         options = ("--bits", 4, "--recipe", "gptq", "--greedy-tokens", 2)
         result = invoke("quantize", tmp_path / variant, *options, "--out", tmp_path / f"q-{variant}")
         assert result.exit_code == 0, result.output
-        assert ("no KV cache in this stages export" in result.stderr) == (variant == "stages"), result.stderr
+        assert ("no KV cache in this stages export: every row is fed whole" in result.stderr) == (
+            variant == "stages"
+        ), result.stderr
         proto = onnx.load(str(open_artifact(tmp_path / f"q-{variant}").model_path))
         arrays = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
         nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
