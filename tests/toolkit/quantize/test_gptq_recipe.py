@@ -384,8 +384,9 @@ def test_gptq_measures_in_passes_what_half_the_memory_cannot_hold_at_once(source
 
 def test_gptq_samples_a_stages_export_whole_rows_at_a_time(tmp_path, monkeypatch):
     """A stages export has no KV cache: the calibration text is sampled by feeding every row whole at each token.
-    It is the text the serving export of the same model samples through its cache (the same seed), and the two
-    quantize to the same MatMulNBits weights, bit for bit; the progress line says why the sampling is slower."""
+    On this one-layer model it is the text the serving export samples through its cache (the same seed; a deeper
+    model can sample a near-tie the other way), and the two quantize to the same MatMulNBits weights, bit for
+    bit; the progress line says why the sampling is slower."""
     config = {"vocab_size": 96, "layers": 1, "width": 64, "heads": 4, "kv_heads": 2, "ff_width": 128}
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"family": "llama", "seed": 0, "config": config}))
