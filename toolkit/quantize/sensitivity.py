@@ -205,12 +205,12 @@ def _whole_rows(runner):
     graph's, and the logits are the same function's."""
     from models.registry import lm_defaults
 
-    fed = []
+    whole = None  # every row fed so far
 
     def step(ids: np.ndarray) -> np.ndarray:
-        fed.append(np.ascontiguousarray(ids, dtype=np.int64))
-        whole = np.concatenate(fed, axis=1)
-        fed[:] = [whole]
+        nonlocal whole
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        whole = ids if whole is None else np.concatenate([whole, ids], axis=1)
         logits = runner.run({"input_ids": whole, **lm_defaults(runner.input_specs, whole)})["logits"]
         return logits[:, -ids.shape[1] :]
 
