@@ -99,6 +99,8 @@ class GraphWeights:
         from onnx import numpy_helper
 
         if array.nbytes >= EXTERNAL_MIN_TENSOR_BYTES:
+            for data in ("raw_data", "float_data", "int32_data", "int64_data", "double_data"):
+                tensor.ClearField(data)  # a tensor held inside the source graph: its old values would be written
             self.pending.add(tensor, array)
         else:
             tensor.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), tensor.name))

@@ -93,6 +93,15 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     f"[default: {DEFAULT_ZERO_POINTS}; integer for gptq]",
 )
 @click.option(
+    "--rotate",
+    "rotate",
+    type=click.IntRange(min=0),
+    metavar="SEED",
+    help="Before rounding, turn the residual stream by the random rotation drawn with SEED (QuaRot's transform: "
+    "the same function and graph, so the same decode speed, with a trained model's loud channels spread over "
+    "all of them). For the recipes that round float weights; it helps gptq most (see the README).",
+)
+@click.option(
     "--q4-1",
     "q4_1",
     type=click.Choice(Q4_1_LAYOUTS),
@@ -131,6 +140,7 @@ def command(
     promote_share,
     imatrix,
     zero_points,
+    rotate,
     q4_1,
     greedy_tokens,
     perplexity_text,
@@ -151,6 +161,7 @@ def command(
         promote_share=promote_share,
         imatrix=imatrix,
         zero_points=zero_points,
+        rotate=rotate,
         q4_1=q4_1,
         greedy_tokens=greedy_tokens,
         perplexity_text=perplexity_text,

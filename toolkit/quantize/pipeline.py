@@ -15,6 +15,7 @@ quantized, both on ONNX Runtime CPU.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -55,6 +56,7 @@ from models.artifacts import artifact_config, open_artifact
 from models.registry import has_cache
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
 from toolkit.quantize.importance import hessians, importance
+from toolkit.quantize.rotation import FUNCTION_BOUND, rotate_artifact
 from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure, sampled_calibration
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
@@ -137,10 +139,17 @@ class QuantizeResult:
     notes: list[str]  # hints for the user (printed by the command)
 
 
-def quantize_artifact(
+def quantize_artifact(source_dir, out_dir, **options) -> QuantizeResult:
+    """_quantize_artifact, with what it holds until it returns (--rotate's float artifact) let go however it ends."""
+    with contextlib.ExitStack() as stack:
+        return _quantize_artifact(source_dir, out_dir, stack=stack, **options)
+
+
+def _quantize_artifact(
     source_dir,
     out_dir,
     *,
+    stack: contextlib.ExitStack,
     bits: int | None,
     block_size: int | None = None,
     accuracy_level: int | None = None,
@@ -151,6 +160,7 @@ def quantize_artifact(
     promote_share: float | None = None,
     imatrix: bool | None = None,
     zero_points: str | None = None,
+    rotate: int | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     perplexity_text=None,
     progress=None,
@@ -170,7 +180,9 @@ def quantize_artifact(
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' and gptq's block minimum, "integer" (MatMulNBits' uint8 zero points),
     "offsets" (a float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment, and
-    for gptq by each weight's output error on the calibration text, exporters/gptq.py); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    for gptq by each weight's output error on the calibration text, exporters/gptq.py); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. rotate: turn the residual stream by the random
+    rotation drawn with this seed before quantizing (toolkit/quantize/rotation.py: the same function in other
+    weights), for the recipes that round float weights. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
@@ -244,6 +256,11 @@ def quantize_artifact(
         why = f" ({notes[-1].removeprefix('note: ')})" if notes else ""
         raise ConfigError(f"--bits is required{why}")
     recipe = "gguf" if gguf is not None else recipe or DEFAULT_RECIPES[bits]
+    if rotate is not None and recipe == "gguf":
+        raise ConfigError(
+            "--rotate turns the float weights, so they would no longer be the GGUF's blocks; name a recipe that "
+            "rounds float weights (--recipe gptq)"
+        )
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     if recipe in KQUANT_RECIPES:
         zero_points = zero_points or DEFAULT_ZERO_POINTS
@@ -257,6 +274,9 @@ def quantize_artifact(
     block_size = block_size or 32
     if accuracy_level is None:
         accuracy_level = DEFAULT_ACCURACY_LEVEL
+    float_source, rotation = source, None
+    if rotate is not None:
+        source, rotation = _rotated(source, out_dir, rotate, stack, progress)
 
     manifest = copy.deepcopy(source.manifest.to_dict())
     files: dict[str, object] = {}
@@ -388,6 +408,8 @@ def quantize_artifact(
         manifest["quantization"]["promotion"] = promotion.report()
     if zero_points is not None:
         manifest["quantization"]["zero_points_chosen"] = chosen  # {"integer": weights, "offsets": weights}
+    if rotation is not None:
+        manifest["quantization"]["rotation"] = rotation
     extra = {name: (source_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
 
     # The quantized artifact is written once, to a scratch directory beside out_dir, and its graphs and weights
@@ -403,12 +425,32 @@ def quantize_artifact(
         del files, pending
         progress("measuring logits error, greedy agreement and perplexity against the float model on ort-cpu")
         measured = open_artifact(scratch_dir)
-        quality = evaluate_quality(source, measured, greedy_tokens=greedy_tokens, text=text)
+        quality = evaluate_quality(float_source, measured, greedy_tokens=greedy_tokens, text=text)
         written = json.loads((scratch_dir / MANIFEST_FILE).read_text())
         written["quantization"]["quality"] = quality
         progress(f"writing {out_dir}")
         write_artifact(out_dir, {MANIFEST_FILE: manifest_bytes(written)}, verify=open_artifact, move_from=scratch_dir)
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
+
+
+def _rotated(source: Artifact, out_dir: Path, seed: int, stack: contextlib.ExitStack, progress):
+    """(the rotated float artifact, its report): `source` with its residual stream turned (rotation.py), written
+    beside out_dir for as long as `stack` holds it, and checked to compute the source's logits."""
+    progress(f"turning the residual stream by a random rotation (seed {seed}) into a float artifact")
+    parent = out_dir.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.rotated-", dir=parent)))
+    report = rotate_artifact(source, directory / "artifact", seed)
+    rotated = open_artifact(directory / "artifact")
+    progress("checking that the rotated float model computes the float model's logits")
+    report["logits_max_abs_vs_float"], report["logits_max_abs"] = moved, largest = _logits_moved(source, rotated)
+    if moved > FUNCTION_BOUND * largest:
+        raise ConfigError(
+            f"--rotate: the rotated float model's logits moved by {moved:.3g} (largest |logit| {largest:.3g}, bound "
+            f"{FUNCTION_BOUND} of it): the graph computes something on the residual stream the rotation does not "
+            "follow; quantize without --rotate"
+        )
+    return rotated, report
 
 
 def _gptq(
@@ -716,6 +758,20 @@ def _perplexity_of_windows(runner, windows: list[list[int]]) -> float:
     """exp of the mean next-token loss over every predicted token of every window (each fed alone)."""
     losses = [negative_log_likelihoods(_logits(runner, w), w) for w in windows]
     return float(math.exp(np.concatenate(losses).mean()))
+
+
+def _logits_moved(float_artifact: Artifact, other: Artifact) -> tuple[float, float]:
+    """(max |logit difference|, max |logit|) of `other` against `float_artifact` on the fixed prompts, both on ONNX
+    Runtime CPU, one session at a time."""
+    from runners.registry import create_runner
+
+    prompts = _fixed_inputs(float_artifact, artifact_config(float_artifact))[0]
+    runner = create_runner("ort-cpu", float_artifact, prepack=False)
+    reference = [_logits(runner, ids).astype(np.float64) for ids in prompts]
+    del runner
+    runner = create_runner("ort-cpu", other, prepack=False)
+    moved = max(float(np.abs(_logits(runner, ids) - r).max()) for ids, r in zip(prompts, reference, strict=True))
+    return moved, max(float(np.abs(r).max()) for r in reference)
 
 
 def _fixed_inputs(artifact: Artifact, config):
