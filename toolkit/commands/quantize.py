@@ -99,7 +99,8 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     metavar="SEED",
     help="Before rounding, turn the residual stream by the random rotation drawn with SEED (QuaRot's transform: "
     "the same function and graph, so the same decode speed, with a trained model's loud channels spread over "
-    "all of them). For the recipes that round float weights; it helps gptq most (see the README).",
+    "all of them). For the recipes that round float weights. Measured on SmolLM2 with its channels permuted: it "
+    "evens gptq out over channel orders and makes rtn far worse (README), so measure it on your model.",
 )
 @click.option(
     "--q4-1",

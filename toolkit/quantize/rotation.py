@@ -196,23 +196,6 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
     weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path, PendingWeights())
     stream = residual_stream(proto, weights)
     rotation = rotation_matrix(width, seed)
-    import os
-
-    if os.environ.get("TOOLKIT_ROTATE_KIND") == "sorted":  # experiment: channels sorted by folded reader rows
-        score = np.zeros(width)
-        for name, (layout, gain) in stream.readers.items():
-            g = weights.array(gain).astype(np.float64)
-            b = weights.array(name).astype(np.float64)
-            score += (g**2) * ((b**2).sum(1) if layout == "kn" else (b**2).sum(0))
-        rotation = np.eye(width)[:, np.argsort(-score, kind="stable")]
-    if os.environ.get("TOOLKIT_ROTATE_KIND") == "striped":  # experiment: each block one channel of each quantile
-        score = np.zeros(width)
-        for name, (layout, gain) in stream.readers.items():
-            g = weights.array(gain).astype(np.float64)
-            b = weights.array(name).astype(np.float64)
-            score += (g**2) * ((b**2).sum(1) if layout == "kn" else (b**2).sum(0))
-        order = np.argsort(-score, kind="stable").reshape(32, width // 32).T.reshape(-1)
-        rotation = np.eye(width)[:, order]
     manifest = copy.deepcopy(source.manifest.to_dict())
     weight_map = manifest["graphs"][0]["weights"]
     head = weight_map.get(HEAD)
