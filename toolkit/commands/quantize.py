@@ -97,10 +97,10 @@ from toolkit.quantize.sensitivity import PROMOTED_SHARE
     "rotate",
     type=click.IntRange(min=0),
     metavar="SEED",
-    help="Before rounding, turn the residual stream by the random rotation drawn with SEED (QuaRot's transform: "
-    "the same function and graph, so the same decode speed, with a trained model's loud channels spread over "
-    "all of them). For the recipes that round float weights. Measured on SmolLM2 with its channels permuted: it "
-    "evens gptq out over channel orders and makes rtn far worse (README), so measure it on your model.",
+    help="Before rounding, turn the residual stream by a randomized Hadamard matrix whose signs SEED draws "
+    "(QuaRot's transform: the same function and graph, so the same decode speed, with a trained model's loud "
+    "channels spread over all of them). For the recipes that round float weights. On SmolLM2 with its channels "
+    "permuted, gptq with integer zero points kept more with it on every draw, and rtn far less (README).",
 )
 @click.option(
     "--q4-1",

@@ -1,13 +1,14 @@
 """`toolkit quantize --rotate SEED`: the residual stream turned by a random rotation before the weights are rounded.
 
-QuaRot's transform, applied to an export's float weights. With R a random orthogonal [width, width] matrix, every
-tensor of the residual stream becomes h R: the embedding table E R, each projection that writes into the stream
+QuaRot's transform, applied to an export's float weights. With R an orthogonal [width, width] matrix (QuaRot's
+randomized Hadamard matrix where one of the width is built: rotation_matrix), every tensor of the residual stream
+becomes h R: the embedding table E R, each projection that writes into the stream
 (o_proj, down_proj) W R, and each one that reads a normalized copy of it R^T diag(g) W, where g is the RMSNorm gain
 in front of it, which becomes 1. RMSNorm commutes with R (it divides by the root mean square, which R keeps), so the
 rotated model computes the same function with the same graph: the same nodes, shapes and decode speed. What changes
 is where the weights' outliers are: a trained model's loud residual channels become directions that every input
-channel shares, which GPTQ, reading how the input channels move together, rounds with less loss
-(benchmarks/recipes_offgrid.py: its rotation proxy is this transform).
+channel shares, which GPTQ, reading how the input channels move together, rounds with less loss on SmolLM2's
+permuted draws, and round-to-nearest with far more (benchmarks/recipes_offgrid.py; the README's table).
 
 The rotation is written as a float artifact of its own (rotate_artifact), from which the recipe quantizes as from
 any export, so the quantized artifact's eager reference is the rotated model: `toolkit check` holds the graph to
@@ -47,7 +48,8 @@ FLOAT_DTYPES = (np.float32, np.float16)
 # pipeline): the rotation is applied in float64 and stored at the weights' precision, which moves a float32 model by
 # about 1e-6 of it.
 FUNCTION_BOUND = 1e-3
-ROTATION = "random orthogonal: Q of the QR factorization of a standard normal matrix, column signs fixed (Haar)"
+HADAMARD = "randomized Hadamard: diag(random signs) H / sqrt(width), H from Sylvester's and Paley's constructions"
+HAAR = "random orthogonal: Q of the QR factorization of a standard normal matrix, column signs fixed (Haar)"
 
 
 @dataclass
@@ -61,10 +63,49 @@ class Stream:
     gains: set[str] = field(default_factory=set)
 
 
-def rotation_matrix(width: int, seed: int) -> np.ndarray:
-    """A [width, width] float64 orthogonal matrix drawn uniformly (Haar) from `seed`."""
-    q, r = np.linalg.qr(np.random.default_rng(seed).standard_normal((width, width)))
-    return q * np.sign(np.diag(r))
+def hadamard(n: int) -> np.ndarray | None:
+    """A Hadamard matrix of order n (entries +-1, H H^T = n I): Sylvester's doubling of up to two Paley (I) matrices
+    (order q + 1 for a prime q = 3 mod 4), or None where no such product has order n."""
+    paley = [m for m in range(4, n + 1, 4) if n % m == 0 and _prime(m - 1) and (m - 1) % 4 == 3]
+    for parts in [(), *((m,) for m in paley), *((a, b) for a in paley for b in paley if a <= b)]:
+        rest, remainder = divmod(n, int(np.prod(parts, dtype=np.int64)))
+        if remainder or rest & (rest - 1):
+            continue
+        h = np.ones((1, 1), dtype=np.int64)
+        while h.shape[0] < rest:
+            h = np.block([[h, h], [h, -h]])
+        for m in parts:
+            h = np.kron(h, _paley(m - 1))
+        return h
+    return None
+
+
+def _prime(q: int) -> bool:
+    return q > 1 and all(q % d for d in range(2, int(q**0.5) + 1))
+
+
+def _paley(q: int) -> np.ndarray:
+    """Paley's construction I: I + [[0, 1^T], [-1, Q]], Q[i, j] the quadratic character of j - i mod q."""
+    character = -np.ones(q, dtype=np.int64)
+    character[(np.arange(1, q, dtype=np.int64) ** 2) % q] = 1
+    character[0] = 0
+    skew = np.zeros((q + 1, q + 1), dtype=np.int64)
+    skew[0, 1:], skew[1:, 0] = 1, -1
+    skew[1:, 1:] = character[(np.arange(q)[None, :] - np.arange(q)[:, None]) % q]
+    return np.eye(q + 1, dtype=np.int64) + skew
+
+
+def rotation_matrix(width: int, seed: int) -> tuple[np.ndarray, str]:
+    """(R, what it is), R a [width, width] float64 orthogonal matrix: QuaRot's randomized Hadamard matrix
+    diag(s) H / sqrt(width), the signs s drawn from `seed`, where hadamard(width) finds H; else a Haar random
+    orthogonal matrix drawn from `seed`. On SmolLM2's permuted draws the Hadamard matrix kept more than a Haar one
+    with GPTQ on every draw (README): it spreads each channel evenly over all of them."""
+    rng = np.random.default_rng(seed)
+    h = hadamard(width)
+    if h is not None:
+        return rng.choice([-1.0, 1.0], width)[:, None] * h / np.sqrt(width), HADAMARD
+    q, r = np.linalg.qr(rng.standard_normal((width, width)))
+    return q * np.sign(np.diag(r)), HAAR
 
 
 def _refuse(node, why: str):
@@ -195,7 +236,7 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
     proto = validate_onnx(graph.model_path)
     weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path, PendingWeights())
     stream = residual_stream(proto, weights)
-    rotation = rotation_matrix(width, seed)
+    rotation, kind = rotation_matrix(width, seed)
     manifest = copy.deepcopy(source.manifest.to_dict())
     weight_map = manifest["graphs"][0]["weights"]
     head = weight_map.get(HEAD)
@@ -248,7 +289,7 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
     return {
         "seed": seed,
         "width": width,
-        "rotation": ROTATION,
+        "rotation": kind,
         "readers": len(stream.readers),
         "writers": len(stream.writers),
         "gains": len(stream.gains),

@@ -24,7 +24,7 @@ from runners.registry import create_runner
 from tests.toolkit.quantize.planted import CONFIG
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
-from toolkit.quantize.rotation import rotate_artifact, rotation_matrix
+from toolkit.quantize.rotation import hadamard, rotate_artifact, rotation_matrix
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +50,27 @@ def initializers(directory) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t, base_dir=str(directory)) for t in proto.graph.initializer}
 
 
-def test_rotation_matrix_is_a_seeded_orthogonal_matrix():
-    r = rotation_matrix(64, 3)
-    np.testing.assert_allclose(r @ r.T, np.eye(64), atol=1e-12)
-    np.testing.assert_array_equal(r, rotation_matrix(64, 3))
-    assert np.abs(r - rotation_matrix(64, 4)).max() > 0.1
-    assert np.abs(np.abs(r) - np.eye(64)).max() > 0.5  # not a signed identity: every channel is spread
+@pytest.mark.parametrize("order", [4, 12, 20, 48, 64, 576, 960, 2048])
+def test_hadamard_matrices_of_the_widths_decoders_use(order):
+    """Entries +-1 and H H^T = n I (the definition), for Sylvester's orders, Paley's (12 = 11 + 1, 20, 48) and their
+    products (SmolLM2's 576 = 8 x 72, 960); none for an order no product of them has."""
+    h = hadamard(order)
+    assert set(np.unique(h)) == {-1, 1}
+    np.testing.assert_array_equal(h @ h.T, order * np.eye(order, dtype=np.int64))
+    assert hadamard(100) is None
+
+
+def test_rotation_matrix_is_a_seeded_randomized_hadamard_or_a_haar_rotation():
+    r, kind = rotation_matrix(576, 3)
+    assert kind.startswith("randomized Hadamard")
+    np.testing.assert_allclose(r @ r.T, np.eye(576), atol=1e-12)
+    np.testing.assert_allclose(np.abs(r), 1 / np.sqrt(576), rtol=1e-12)  # every channel spread evenly over all
+    np.testing.assert_array_equal(r, rotation_matrix(576, 3)[0])
+    assert np.abs(r - rotation_matrix(576, 4)[0]).max() > 0.01
+    r, kind = rotation_matrix(100, 3)  # no Hadamard matrix of order 100 is built: a Haar rotation
+    assert kind.startswith("random orthogonal")
+    np.testing.assert_allclose(r @ r.T, np.eye(100), atol=1e-12)
+    assert np.abs(np.abs(r) - np.eye(100)).max() > 0.5
 
 
 @pytest.mark.parametrize("lowering", ["functions", "standard", "ort"])
@@ -69,7 +84,7 @@ def test_the_rotated_artifact_computes_the_source_in_rotated_weights(tmp_path, l
     expected = logits(source)
     np.testing.assert_allclose(logits(rotated), expected, atol=1e-4 * np.abs(expected).max())
     assert report["untied_head"] and rotated.manifest.config["tie_embeddings"] is False
-    r = rotation_matrix(CONFIG["width"], 7)
+    r = rotation_matrix(CONFIG["width"], 7)[0]
     before, after = initializers(tmp_path / "float"), initializers(tmp_path / "rotated")
     weight_map = source.graphs[0].entry.data["weights"]
     table = weight_map["embed_tokens.weight"]["initializer"]
