@@ -68,6 +68,7 @@ RECIPES = {
     "gptq offsets 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points offsets --head-bits 8".split(),
     "gptq auto 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points auto --head-bits 8".split(),
     "rtn rotated, level 4": "--bits 4 --recipe rtn --accuracy-level 4 --rotate 0".split(),
+    "mixed imatrix rotated, level 4": "--bits 4 --recipe mixed --imatrix --accuracy-level 4 --rotate 0".split(),
     "gptq rotated, level 4": "--bits 4 --recipe gptq --rotate 0".split(),
     "gptq rotated 8-bit head, level 4": "--bits 4 --recipe gptq --head-bits 8 --rotate 0".split(),
     "gptq auto rotated 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points auto --head-bits 8 --rotate 0".split(),

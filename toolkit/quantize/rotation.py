@@ -54,10 +54,12 @@ HAAR = "random orthogonal: Q of the QR factorization of a standard normal matrix
 
 @dataclass
 class Stream:
-    """Where the residual stream meets constant weights in one graph. Layouts: "kn" a MatMul's B [in, out], "nk" a
-    custom feed-forward node's torch weight [out, in]."""
+    """Where the residual stream meets constant weights in one graph. Layouts: "kn" a MatMul's B [in, out]; "nk" a
+    custom feed-forward node's torch weight [out, in], or the initializer a MatMul reads through a Transpose. The
+    table is also a reader where the head multiplies by its transpose (a tied head held once)."""
 
-    table: str  # the embedding table the Gather reads
+    gather: object  # the embedding's Gather node
+    table: str  # the initializer it reads
     readers: dict[str, tuple[str, str]] = field(default_factory=dict)  # initializer -> (layout, the gain before it)
     writers: dict[str, str] = field(default_factory=dict)  # initializer -> layout
     gains: set[str] = field(default_factory=set)
@@ -143,13 +145,40 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
         )
     gather = gathers[0]
 
+    table = gather.input[0]
+
     def constant(node, index):
         name = node.input[index] if index < len(node.input) else ""
         if name not in weights or len(consumers.get(name, [])) != 1:
             _refuse(node, f"reads {name!r}, which is not a constant weight read by this node alone")
         return name
 
-    stream = Stream(constant(gather, 0))
+    def matmul_b(node):
+        """(initializer, layout) of a MatMul's B: an initializer ("kn"), or the transpose of one ("nk"), which may
+        be the embedding table (a tied head)."""
+        name = node.input[1]
+        transpose = producer.get(name)
+        if (
+            name in weights
+            or transpose is None
+            or transpose.op_type != "Transpose"
+            or transpose.domain not in ("", "ai.onnx")
+        ):
+            return constant(node, 1), "kn"
+        perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
+        source = transpose.input[0]
+        users = [n for n, _ in consumers.get(source, [])]
+        alone = len(users) == 1 or (source == table and len(users) == 2 and gather in users)
+        if perm not in ([], [[1, 0]]) or source not in weights or len(consumers[name]) != 1 or not alone:
+            _refuse(node, f"reads {name!r}, which is not a constant weight, or the transpose of one, read by it alone")
+        return source, "nk"
+
+    table_users = [n for n, _ in consumers[table]]
+    if len(table_users) > 1 and not (
+        len(table_users) == 2 and table_users[1 - table_users.index(gather)].op_type == "Transpose"
+    ):
+        _refuse(gather, f"reads {table!r}, which another node reads too")
+    stream = Stream(gather, table)
 
     def written(name, into):
         """`name`, added to the stream at node `into`: a projection's output, rotated on its output side."""
@@ -157,7 +186,11 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
         key = None if node is None else (node.domain, node.op_type)
         if key not in (("", "MatMul"), *GATED_FFN) or len(consumers[name]) != 1 or name in outputs:
             _refuse(into, f"adds {name!r} to the residual stream, which is not a projection's output alone")
-        stream.writers[constant(node, 1 if key == ("", "MatMul") else 3)] = "kn" if key == ("", "MatMul") else "nk"
+        if key == ("", "MatMul"):
+            b, layout = matmul_b(node)
+            stream.writers[b] = layout
+        else:
+            stream.writers[constant(node, 3)] = "nk"
 
     def normalized(name, gain):
         if name in outputs:
@@ -167,7 +200,8 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
             if key in SHAPE_ONLY:
                 continue
             if key == ("", "MatMul") and index == 0:
-                stream.readers[constant(node, 1)] = ("kn", gain)
+                b, layout = matmul_b(node)
+                stream.readers[b] = (layout, gain)
             elif key in GATED_FFN and index == 0:
                 stream.readers[constant(node, 1)] = ("nk", gain)
                 stream.readers[constant(node, 2)] = ("nk", gain)
@@ -216,7 +250,9 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
     for gain in stream.gains:
         if not {(n.domain, n.op_type) for n, _ in consumers[gain]} <= set(NORMS):
             raise ConfigError(f"--rotate: the RMSNorm gain {gain!r} is also read by another node; quantize without it")
-    if not stream.readers or not stream.writers or set(stream.readers) & set(stream.writers):
+    if len(table_users) > 1 and table not in stream.readers:
+        _refuse(gather, f"reads {table!r}, whose transpose is read by something other than a projection of a norm")
+    if table in stream.writers or not stream.readers or not stream.writers or set(stream.readers) & set(stream.writers):
         raise ConfigError(
             f"--rotate: found {len(stream.readers)} projections reading the residual stream and {len(stream.writers)} "
             "writing into it, expected some of each and none both; quantize without --rotate"
@@ -227,7 +263,8 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
 def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
     """Write `source`'s model with its residual stream turned by rotation_matrix(width, seed) to `out_dir` (a float
     artifact of its own: same graph, rotated weights, unit RMSNorm gains). A tied head is untied: the embedding
-    becomes E R and the head's own copy R^T diag(g) E^T. Returns what was turned, for the quantized manifest."""
+    becomes E R and the head R^T diag(g) E^T, in the head's own copy or, where the head reads the table through a
+    Transpose, in the table, the Gather then reading a new initializer. Returns what was turned, for the quantized manifest."""
     if len(source.graphs) != 1:
         raise ConfigError(f"--rotate: {source.location} has {len(source.graphs)} graphs; it rotates an export of one")
     config = artifact_config(source)
@@ -241,7 +278,31 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
     weight_map = manifest["graphs"][0]["weights"]
     head = weight_map.get(HEAD)
     untied = head is not None and head["initializer"] == stream.table
-    if untied:  # the graph's head reads its own transposed copy of the table: the reader equal to it
+    shared = stream.table in stream.readers  # the head multiplies by the table's transpose
+
+    def turn(name, expected_axis, function, into=None):
+        tensor = weights.tensors[name] if into is None else into
+        array = weights.array(name)
+        if array.dtype not in FLOAT_DTYPES or array.ndim not in (1, 2) or array.shape[expected_axis] != width:
+            raise ConfigError(
+                f"--rotate: weight {name!r} is {array.dtype} {list(array.shape)}; expected float32 or float16 with "
+                f"{width} (the width) along axis {expected_axis}"
+            )
+        weights.hold(tensor, function(array.astype(np.float64)).astype(array.dtype))
+
+    if shared:  # the Gather gets a table of its own, E R; the table turns as the head it also is
+        held = weights.tensors[stream.table]
+        embedding = f"{stream.table}.rotated_embedding"
+        if embedding in weights:
+            raise ConfigError(f"--rotate: the graph already holds an initializer {embedding!r}")
+        tensor = proto.graph.initializer.add(name=embedding, data_type=held.data_type, dims=held.dims)
+        turn(stream.table, 1, lambda e: e @ rotation, into=tensor)
+        stream.gather.input[0] = embedding
+        for name, entry in weight_map.items():
+            if entry["initializer"] == stream.table and name != HEAD:
+                entry["initializer"] = embedding
+        manifest["config"]["tie_embeddings"] = False
+    elif untied:  # the graph's head reads its own transposed copy of the table: the reader equal to it
         table = weights.array(stream.table)
         copies = [
             b
@@ -258,16 +319,6 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
         manifest["config"]["tie_embeddings"] = False
         del table
 
-    def turn(name, expected_axis, function):
-        tensor = weights.tensors[name]
-        array = weights.array(name)
-        if array.dtype not in FLOAT_DTYPES or array.ndim not in (1, 2) or array.shape[expected_axis] != width:
-            raise ConfigError(
-                f"--rotate: weight {name!r} is {array.dtype} {list(array.shape)}; expected float32 or float16 with "
-                f"{width} (the width) along axis {expected_axis}"
-            )
-        weights.hold(tensor, function(array.astype(np.float64)).astype(array.dtype))
-
     for name, (layout, gain) in stream.readers.items():
         g = weights.array(gain).astype(np.float64)
         if layout == "kn":
@@ -278,7 +329,8 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
         turn(
             name, 1 if layout == "kn" else 0, (lambda b: b @ rotation) if layout == "kn" else (lambda w: rotation.T @ w)
         )
-    turn(stream.table, 1, lambda e: e @ rotation)
+    if not shared:
+        turn(stream.table, 1, lambda e: e @ rotation)
     for gain in stream.gains:
         turn(gain, 0, np.ones_like)
     weights.detach(proto)  # the weights not turned, read from the source: the new artifact stands alone
@@ -293,5 +345,5 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
         "readers": len(stream.readers),
         "writers": len(stream.writers),
         "gains": len(stream.gains),
-        "untied_head": untied,
+        "untied_head": untied or shared,
     }

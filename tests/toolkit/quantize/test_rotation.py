@@ -16,6 +16,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from artifact.write import pack_artifact, write_artifact
 from exporters.onnx_export import export_model
 from models.artifacts import open_artifact
 from models.presets import get_preset
@@ -118,6 +119,40 @@ def test_the_rotated_artifact_computes_the_source_in_rotated_weights(tmp_path, l
     final = before[weight_map["final_norm.weight"]["initializer"]].astype(np.float64)
     assert head["transpose"] is True and head["initializer"] != table
     np.testing.assert_allclose(after[head["initializer"]], r.T @ (final[:, None] * before[table].T), atol=1e-5)
+
+
+def test_a_head_that_reads_the_table_through_a_transpose_turns_the_table_and_gives_the_gather_its_own(tmp_path):
+    """A tied head held once (the head MatMul reads Transpose(table), as large exports hold it): the table becomes
+    the head's T diag(g) R, the Gather reads a new initializer E R, and the weight map follows both; the logits are
+    the source's and the eager model rebuilt from the rotated artifact computes them too."""
+    export(tmp_path / "copied")
+    source = open_artifact(tmp_path / "copied")
+    manifest = source.manifest.to_dict()
+    proto = onnx.load(str(tmp_path / "copied" / "model.onnx"))
+    table = manifest["graphs"][0]["weights"]["embed_tokens.weight"]["initializer"]
+    (head,) = [n for n in proto.graph.node if n.output[0] == "logits"]
+    copy = head.input[1]
+    proto.graph.node.insert(0, onnx.helper.make_node("Transpose", [table], ["table_t"], perm=[1, 0]))
+    head.input[1] = "table_t"
+    proto.graph.initializer.remove(next(t for t in proto.graph.initializer if t.name == copy))
+    extra = {name: (tmp_path / "copied" / name).read_bytes() for name in manifest.get("extra_files") or {}}
+    write_artifact(tmp_path / "float", pack_artifact(manifest, {manifest["graphs"][0]["name"]: proto}, extra))
+    source = open_artifact(tmp_path / "float")
+    report = rotate_artifact(source, tmp_path / "rotated", 0)
+    rotated = open_artifact(tmp_path / "rotated")
+    expected = logits(source)
+    np.testing.assert_allclose(logits(rotated), expected, atol=1e-4 * np.abs(expected).max())
+    r = rotation_matrix(CONFIG["width"], 0)[0]
+    before, after = initializers(tmp_path / "float"), initializers(tmp_path / "rotated")
+    weights = rotated.graphs[0].entry.data["weights"]
+    embedding = weights["embed_tokens.weight"]["initializer"]
+    assert embedding != table and weights["lm_head.weight"] == {"initializer": table, "transpose": False}
+    np.testing.assert_allclose(after[embedding], before[table] @ r, atol=1e-5)
+    final = before[manifest["graphs"][0]["weights"]["final_norm.weight"]["initializer"]].astype(np.float64)
+    np.testing.assert_allclose(after[table], (before[table] * final[None, :]) @ r, atol=1e-5)
+    assert report["untied_head"] and rotated.manifest.config["tie_embeddings"] is False
+    check = cross_check(rotated, ["eager", "ort-cpu"], batch=1, sequence=5)
+    assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
 
 
 def test_quantize_rotate_keeps_the_graph_and_checks_against_the_rotated_model(tmp_path):
