@@ -765,7 +765,8 @@ def _logits_moved(float_artifact: Artifact, other: Artifact) -> tuple[float, flo
     Runtime CPU, one session at a time."""
     from runners.registry import create_runner
 
-    prompts = _fixed_inputs(float_artifact, artifact_config(float_artifact))[0]
+    config = artifact_config(float_artifact)
+    prompts = [ids[: config.max_positions] for ids in _fixed_inputs(float_artifact, config)[0]]
     runner = create_runner("ort-cpu", float_artifact, prepack=False)
     reference = [_logits(runner, ids).astype(np.float64) for ids in prompts]
     del runner

@@ -144,7 +144,6 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
             f"{' (' + ', '.join(n.input[0] for n in gathers) + ')' if gathers else ''}; quantize without --rotate"
         )
     gather = gathers[0]
-
     table = gather.input[0]
 
     def constant(node, index):
@@ -264,7 +263,8 @@ def rotate_artifact(source, out_dir: Path, seed: int) -> dict:
     """Write `source`'s model with its residual stream turned by rotation_matrix(width, seed) to `out_dir` (a float
     artifact of its own: same graph, rotated weights, unit RMSNorm gains). A tied head is untied: the embedding
     becomes E R and the head R^T diag(g) E^T, in the head's own copy or, where the head reads the table through a
-    Transpose, in the table, the Gather then reading a new initializer. Returns what was turned, for the quantized manifest."""
+    Transpose, in the table, the Gather then reading a new initializer. Returns what was turned, for the quantized
+    manifest."""
     if len(source.graphs) != 1:
         raise ConfigError(f"--rotate: {source.location} has {len(source.graphs)} graphs; it rotates an export of one")
     config = artifact_config(source)

@@ -276,6 +276,20 @@ def test_an_explicit_algorithm_re_rounds_a_gguf_artifact(cases, tmp_path):
     assert result.exit_code == 0 and "(block 32, rtn," in result.stdout and "--recipe gguf" not in result.stdout
 
 
+def test_rotate_refuses_the_gguf_recipe_whose_blocks_are_the_weights(cases, tmp_path):
+    """--rotate turns the float weights: by default (the file's blocks) and named, the gguf recipe is refused with
+    one line; a recipe that rounds float weights takes the same export."""
+    _, source, _, _ = cases["q4_0"]
+    for named in ((), ("--recipe", "gguf")):
+        result = invoke("quantize", source.directory, "--bits", 4, *named, "--rotate", 0, "--out", tmp_path / "q")
+        assert_user_error(result, "--rotate", "GGUF's blocks", "--recipe gptq")
+    assert not (tmp_path / "q").exists() and not list(tmp_path.iterdir())
+    result = invoke(
+        "quantize", source.directory, "--bits", 4, "--recipe", "rtn", "--rotate", 0, "--out", tmp_path / "q"
+    )
+    assert result.exit_code == 0, result.output
+
+
 def test_a_missing_or_changed_gguf_is_refused(cases, tmp_path):
     path, _, _, _ = cases["q4_0"]
     copy = tmp_path / "copy.gguf"
