@@ -202,6 +202,13 @@ def command(
                 f"zero points ({made['zero_points']}): {chosen['integer']} weights with integer zero points, "
                 f"{chosen['offsets']} with float minimums (offsets)"
             )
+    rotation = made.get("rotation")
+    if rotation:
+        click.echo(
+            f"rotated first (--rotate {rotation['seed']}): {rotation['rotation'].split(':')[0]} of order "
+            f"{rotation['width']}; the rotated float model's logits moved by {rotation['logits_max_abs_vs_float']:.2g} "
+            f"(largest {rotation['logits_max_abs']:.3g})"
+        )
     promotion = made.get("promotion")
     if promotion:
         first = ", ".join(promotion["promoted"][:3]) + (", ..." if len(promotion["promoted"]) > 3 else "")

@@ -436,12 +436,13 @@ def _quantize_artifact(
 def _rotated(source: Artifact, out_dir: Path, seed: int, stack: contextlib.ExitStack, progress):
     """(the rotated float artifact, its report): `source` with its residual stream turned (rotation.py), written
     beside out_dir for as long as `stack` holds it, and checked to compute the source's logits."""
-    progress(f"turning the residual stream by a random rotation (seed {seed}) into a float artifact")
+    progress(f"turning the residual stream by the rotation seed {seed} draws, into a float artifact")
     parent = out_dir.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.rotated-", dir=parent)))
     report = rotate_artifact(source, directory / "artifact", seed)
     rotated = open_artifact(directory / "artifact")
+    progress(f"turned by a {report['rotation'].split(':')[0]} matrix of order {report['width']}")
     progress("checking that the rotated float model computes the float model's logits")
     report["logits_max_abs_vs_float"], report["logits_max_abs"] = moved, largest = _logits_moved(source, rotated)
     if moved > FUNCTION_BOUND * largest:

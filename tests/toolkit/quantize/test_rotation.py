@@ -163,6 +163,7 @@ def test_quantize_rotate_keeps_the_graph_and_checks_against_the_rotated_model(tm
     common = ("quantize", tmp_path / "float", "--bits", "4", "--recipe", "gptq", "--quiet")
     result = invoke(*common, "--rotate", "0", "--out", tmp_path / "q", "--json", tmp_path / "q.json")
     assert result.exit_code == 0, result.output
+    assert "rotated first (--rotate 0): randomized Hadamard of order 64" in result.stdout
     assert invoke(*common, "--out", tmp_path / "plain").exit_code == 0
     quantized = open_artifact(tmp_path / "q")
     made = quantized.manifest.quantization
