@@ -180,8 +180,8 @@ def _quantize_artifact(
     channel's mean square on a calibration text (toolkit/quantize/importance.py); None is DEFAULT_IMATRIX.
     zero_points: the k-quant recipes' and gptq's block minimum, "integer" (MatMulNBits' uint8 zero points),
     "offsets" (a float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment, and
-    for gptq by each weight's output error on the calibration text, exporters/gptq.py); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. rotate: turn the residual stream by the random
-    rotation drawn with this seed before quantizing (toolkit/quantize/rotation.py: the same function in other
+    for gptq by each weight's output error on the calibration text, exporters/gptq.py); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. rotate: turn the residual stream by the rotation this
+    seed draws (a randomized Hadamard matrix, rotation.rotation_matrix) before quantizing (toolkit/quantize/rotation.py: the same function in other
     weights), for the recipes that round float weights. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""

@@ -172,11 +172,6 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
             _refuse(node, f"reads {name!r}, which is not a constant weight, or the transpose of one, read by it alone")
         return source, "nk"
 
-    table_users = [n for n, _ in consumers[table]]
-    if len(table_users) > 1 and not (
-        len(table_users) == 2 and table_users[1 - table_users.index(gather)].op_type == "Transpose"
-    ):
-        _refuse(gather, f"reads {table!r}, which another node reads too")
     stream = Stream(gather, table)
 
     def written(name, into):
@@ -249,8 +244,8 @@ def residual_stream(proto, weights: GraphWeights) -> Stream:
     for gain in stream.gains:
         if not {(n.domain, n.op_type) for n, _ in consumers[gain]} <= set(NORMS):
             raise ConfigError(f"--rotate: the RMSNorm gain {gain!r} is also read by another node; quantize without it")
-    if len(table_users) > 1 and table not in stream.readers:
-        _refuse(gather, f"reads {table!r}, whose transpose is read by something other than a projection of a norm")
+    if len(consumers[table]) > 1 and table not in stream.readers:  # matmul_b took the one other reader it allows
+        _refuse(gather, f"reads {table!r}, which another node reads too, not as the transposed head of a norm")
     if table in stream.writers or not stream.readers or not stream.writers or set(stream.readers) & set(stream.writers):
         raise ConfigError(
             f"--rotate: found {len(stream.readers)} projections reading the residual stream and {len(stream.writers)} "

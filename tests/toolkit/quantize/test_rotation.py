@@ -21,15 +21,13 @@ from exporters.onnx_export import export_model
 from models.artifacts import open_artifact
 from models.presets import get_preset
 from models.registry import build_model, get_family
-from runners.registry import create_runner
 from tests.toolkit.quantize.planted import CONFIG
+from tests.toolkit.quantize.test_quantize import ort_logits
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
 from toolkit.quantize.rotation import hadamard, rotate_artifact, rotation_matrix
 
 pytestmark = pytest.mark.slow
-
-IDS = np.array([[5, 17, 3, 42, 8, 91, 23, 60]], dtype=np.int64)
 
 
 def export(directory, lowering="ort", variant="serving", family="llama", model=None, config=None):
@@ -37,13 +35,6 @@ def export(directory, lowering="ort", variant="serving", family="llama", model=N
     model = model or build_model(family, config, seed=0)
     export_model(model, family, config, directory, variant=variant, lowering=lowering)
     return directory
-
-
-def logits(artifact) -> np.ndarray:
-    runner = create_runner("ort-cpu", artifact, prepack=False)
-    from models.registry import lm_defaults
-
-    return runner.run({"input_ids": IDS, **lm_defaults(runner.input_specs, IDS)})["logits"]
 
 
 def initializers(directory) -> dict[str, np.ndarray]:
@@ -82,8 +73,8 @@ def test_the_rotated_artifact_computes_the_source_in_rotated_weights(tmp_path, l
     source = open_artifact(export(tmp_path / "float", lowering))
     report = rotate_artifact(source, tmp_path / "rotated", 7)
     rotated = open_artifact(tmp_path / "rotated")
-    expected = logits(source)
-    np.testing.assert_allclose(logits(rotated), expected, atol=1e-4 * np.abs(expected).max())
+    expected = ort_logits(source)
+    np.testing.assert_allclose(ort_logits(rotated), expected, atol=1e-4 * np.abs(expected).max())
     assert report["untied_head"] and rotated.manifest.config["tie_embeddings"] is False
     r = rotation_matrix(CONFIG["width"], 7)[0]
     before, after = initializers(tmp_path / "float"), initializers(tmp_path / "rotated")
@@ -140,8 +131,8 @@ def test_a_head_that_reads_the_table_through_a_transpose_turns_the_table_and_giv
     source = open_artifact(tmp_path / "float")
     report = rotate_artifact(source, tmp_path / "rotated", 0)
     rotated = open_artifact(tmp_path / "rotated")
-    expected = logits(source)
-    np.testing.assert_allclose(logits(rotated), expected, atol=1e-4 * np.abs(expected).max())
+    expected = ort_logits(source)
+    np.testing.assert_allclose(ort_logits(rotated), expected, atol=1e-4 * np.abs(expected).max())
     r = rotation_matrix(CONFIG["width"], 0)[0]
     before, after = initializers(tmp_path / "float"), initializers(tmp_path / "rotated")
     weights = rotated.graphs[0].entry.data["weights"]
