@@ -188,3 +188,17 @@ def test_rotate_refuses_what_it_cannot_turn(tmp_path):
     assert_user_error(result, "--rotate", "found 2", "embed_positions")
     assert not (tmp_path / "q1").exists() and not (tmp_path / "q2").exists()
     assert not list(tmp_path.glob(".q*"))
+
+
+def test_a_rotation_that_moves_the_logits_is_refused_before_anything_is_quantized(tmp_path, monkeypatch):
+    """The pipeline's own check of the rotated float model: a matrix that is not orthogonal (R scaled by 1.01)
+    changes the function, and quantize stops with one line naming how far the logits moved, writing nothing."""
+    from toolkit.quantize import rotation
+
+    export(tmp_path / "float")
+    turned = rotation.rotation_matrix
+    monkeypatch.setattr(rotation, "rotation_matrix", lambda width, seed: (1.01 * turned(width, seed)[0], "scaled"))
+    result = invoke("quantize", tmp_path / "float", "--bits", "4", "--recipe", "rtn", "--rotate", "0", "--out",
+                    tmp_path / "q")  # fmt: skip
+    assert_user_error(result, "--rotate", "logits moved by", "quantize without --rotate")
+    assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q*"))
