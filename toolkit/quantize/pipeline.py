@@ -58,6 +58,7 @@ from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
 from toolkit.quantize.importance import hessians, importance
 from toolkit.quantize.rotation import FUNCTION_BOUND, rotate_artifact
 from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure, sampled_calibration
+from toolkit.quantize.tuning import tune_scales
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -161,6 +162,7 @@ def _quantize_artifact(
     imatrix: bool | None = None,
     zero_points: str | None = None,
     rotate: int | None = None,
+    tune_scales: int | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     perplexity_text=None,
     progress=None,
@@ -182,7 +184,9 @@ def _quantize_artifact(
     "offsets" (a float minimum added beside each MatMulNBits) or "auto" (per weight, ZERO_POINTS' comment, and
     for gptq by each weight's output error on the calibration text, exporters/gptq.py); None is DEFAULT_ZERO_POINTS for the k-quant recipes and "integer" for gptq. rotate: turn the residual stream by the rotation this
     seed draws (a randomized Hadamard matrix, rotation.rotation_matrix) before quantizing (toolkit/quantize/rotation.py: the same function in other
-    weights), for the recipes that round float weights. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    weights), for the recipes that round float weights. tune_scales: fit each block's scale to the float model's
+    next-token distributions in this many steps once the weights are rounded (toolkit/quantize/tuning.py), codes and
+    zero points unchanged; not with the gguf recipe. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
@@ -261,6 +265,13 @@ def _quantize_artifact(
             "--rotate turns the float weights, so they would no longer be the GGUF's blocks; name a recipe that "
             "rounds float weights (--recipe gptq)"
         )
+    if tune_scales is not None and recipe == "gguf":
+        raise ConfigError(
+            "--tune-scales moves the blocks' scales, so they would no longer be the GGUF's; name a recipe that "
+            "rounds float weights (--recipe gptq)"
+        )
+    if tune_scales is not None and tune_scales < 1:
+        raise ConfigError(f"--tune-scales: expected a number of steps of at least 1, got {tune_scales!r}")
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     if recipe in KQUANT_RECIPES:
         zero_points = zero_points or DEFAULT_ZERO_POINTS
@@ -423,6 +434,8 @@ def _quantize_artifact(
         progress(f"writing the {total} quantized weights")
         write_artifact(scratch_dir, _serialise(manifest, files, extra, pending))
         del files, pending
+        if tune_scales is not None:
+            scratch_dir = _tuned(source, scratch_dir, Path(scratch) / "tuned", tune_scales, progress)
         progress("measuring logits error, greedy agreement and perplexity against the float model on ort-cpu")
         measured = open_artifact(scratch_dir)
         quality = evaluate_quality(float_source, measured, greedy_tokens=greedy_tokens, text=text)
@@ -431,6 +444,25 @@ def _quantize_artifact(
         progress(f"writing {out_dir}")
         write_artifact(out_dir, {MANIFEST_FILE: manifest_bytes(written)}, verify=open_artifact, move_from=scratch_dir)
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
+
+
+def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, progress) -> Path:
+    """The directory of `quantized_dir`'s artifact with its scales fitted to `source` (tuning.py) and the fit's report
+    in its manifest: `out_dir`, written beside it."""
+    quantized = open_artifact(quantized_dir)
+    tuned, report = tune_scales(source, quantized, steps, progress)
+    progress("writing the fitted scales" if tuned else "keeping the rounded scales: fitting did not lower the KL")
+    graph = quantized.graphs[0]
+    proto = validate_onnx(graph.model_path)
+    weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path, PendingWeights())
+    for name, values in tuned.items():
+        weights.hold(weights.tensors[name], values.reshape(weights.array(name).shape))
+    weights.detach(proto)
+    manifest = quantized.manifest.to_dict()
+    manifest["quantization"]["scales_tuned"] = report
+    extra = {name: (quantized_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
+    write_artifact(out_dir, pack_artifact(manifest, {graph.name: proto}, extra, pending=weights.pending))
+    return out_dir
 
 
 def _rotated(source: Artifact, out_dir: Path, seed: int, stack: contextlib.ExitStack, progress):

@@ -290,6 +290,16 @@ def test_rotate_refuses_the_gguf_recipe_whose_blocks_are_the_weights(cases, tmp_
     assert result.exit_code == 0, result.output
 
 
+def test_tune_scales_refuses_the_gguf_recipe_whose_scales_are_the_files(cases, tmp_path):
+    """--tune-scales moves each block's scale: the gguf recipe, by default and named, is refused with one line and
+    nothing written."""
+    _, source, _, _ = cases["q4_0"]
+    for named in ((), ("--recipe", "gguf")):
+        result = invoke("quantize", source.directory, "--bits", 4, *named, "--tune-scales", 5, "--out", tmp_path / "q")
+        assert_user_error(result, "--tune-scales", "no longer be the GGUF's", "--recipe gptq")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_missing_or_changed_gguf_is_refused(cases, tmp_path):
     path, _, _, _ = cases["q4_0"]
     copy = tmp_path / "copy.gguf"
