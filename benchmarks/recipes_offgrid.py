@@ -73,6 +73,9 @@ RECIPES = {
     "gptq rotated 8-bit head, level 4": "--bits 4 --recipe gptq --head-bits 8 --rotate 0".split(),
     "gptq auto rotated 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points auto --head-bits 8 --rotate 0".split(),
     "gptq offsets rotated 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points offsets --head-bits 8 --rotate 0".split(),
+    "gptq rotated 8-bit head tuned, level 4": "--bits 4 --recipe gptq --head-bits 8 --rotate 0 --tune-scales 120".split(),
+    "gptq 8-bit head tuned, level 4": "--bits 4 --recipe gptq --head-bits 8 --tune-scales 120".split(),
+    "rtn tuned, level 4": "--bits 4 --recipe rtn --accuracy-level 4 --tune-scales 120".split(),
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
     "8-bit mixed, level 4": ["--bits", "8", "--recipe", "mixed", "--no-imatrix", "--accuracy-level", "4"],
 }

@@ -38,7 +38,7 @@ class _Scaled:
     scales: str  # the scales initializer
     stored: np.ndarray  # its values as stored
     block_size: int
-    levels: torch.Tensor  # [N, K] float32: code - zero point
+    levels: torch.Tensor  # [N, K]: code - zero point, int16 where the zero points are integers (a quarter of float32's)
     offsets: torch.Tensor | None  # [N, K] float32: the float minimums added beside MatMulNBits, where held
     entries: list = field(default_factory=list)  # (torch name, slice or None)
     log_scale: torch.Tensor | None = None  # [N, blocks], trained
@@ -46,7 +46,7 @@ class _Scaled:
     def weight(self) -> torch.Tensor:
         scale = torch.from_numpy(self.stored.reshape(self.levels.shape[0], -1).astype(np.float32))
         step = (scale * torch.exp(self.log_scale)).repeat_interleave(self.block_size, dim=1)
-        w = self.levels * step[:, : self.levels.shape[1]]  # [N, K]
+        w = self.levels.to(torch.float32) * step[:, : self.levels.shape[1]]  # [N, K]
         return w if self.offsets is None else w + self.offsets
 
     def tuned(self) -> np.ndarray:
@@ -87,9 +87,9 @@ def scaled_weights(artifact) -> list[_Scaled]:
             if "offsets" in spec:  # [blocks, N]: each block's offset added to its K rows
                 repeated = np.repeat(read(spec["offsets"]).astype(np.float32), block, axis=0)[:k]
                 offsets = torch.from_numpy(np.ascontiguousarray(repeated.T))
-            scaled = found[spec["weight"]] = _Scaled(
-                spec["scales"], stored, block, torch.from_numpy(np.ascontiguousarray(levels.T, np.float32)), offsets
-            )
+            integral = zero_points is None or zero_points.dtype == np.uint8
+            levels = np.ascontiguousarray(levels.T, np.int16 if integral else np.float32)
+            scaled = found[spec["weight"]] = _Scaled(spec["scales"], stored, block, torch.from_numpy(levels), offsets)
         scaled.entries.append((name, place.slice))
     return list(found.values())
 
@@ -111,6 +111,9 @@ def tune_scales(source, quantized, steps: int, progress=None) -> tuple[dict[str,
     for parameter in [*model.parameters(), *float_model.parameters()]:
         parameter.requires_grad_(False)
     scaled = scaled_weights(quantized)
+    for weight in scaled:  # the fit computes these from the levels: the model's own copies go
+        for name, _ in weight.entries:
+            model.get_parameter(name).data = torch.empty(0)
     for weight in scaled:
         weight.log_scale = torch.zeros(weight.levels.shape[0], weight.stored.size // weight.levels.shape[0])
         weight.log_scale.requires_grad_(True)
@@ -120,38 +123,35 @@ def tune_scales(source, quantized, steps: int, progress=None) -> tuple[dict[str,
     def batch(which):
         return [a[which] if a.dim() and a.shape[0] == rows else a for a in args]
 
-    def kl(which, tuned: bool) -> torch.Tensor:
+    def kl(which) -> torch.Tensor:
         """Mean KL(float || quantized) of the next-token distributions of rows `which`, nats per token."""
         with torch.no_grad():
             target = float_runner.forward(float_model, *batch(which))["logits"].log_softmax(-1)
-        if tuned:
-            values = {}
-            for weight in scaled:
-                w = weight.weight()
-                for name, cut in weight.entries:
-                    values[name] = w if cut is None else w[cut[1] : cut[2]]
-            with _reparametrize_module(model, values):
-                logits = runner.forward(model, *batch(which))["logits"]
-        else:
-            with torch.no_grad():
-                logits = runner.forward(model, *batch(which))["logits"]
+        values = {}
+        for weight in scaled:
+            w = weight.weight()
+            for name, cut in weight.entries:
+                values[name] = w if cut is None else w[cut[1] : cut[2]]
+        with _reparametrize_module(model, values):
+            logits = runner.forward(model, *batch(which))["logits"]
         return (target.exp() * (target - logits.log_softmax(-1))).sum(-1).mean()
 
     trained, held_out = rows - HELD_OUT_ROWS, torch.arange(rows - HELD_OUT_ROWS, rows)
     if trained < TUNE_BATCH:
         raise ConfigError(f"--tune-scales: the text has {rows} rows; it needs {TUNE_BATCH + HELD_OUT_ROWS}")
-    before = float(kl(held_out, tuned=False))
+    with torch.no_grad():
+        before = float(kl(held_out))  # log_scale 0: the rounded weights, as dequantize_nbits computes them
     optimizer = torch.optim.Adam([w.log_scale for w in scaled], lr=LEARNING_RATE)
     choose = np.random.default_rng(TUNE_SEED)
     for step in range(steps):
         if step % 20 == 0:
             progress(f"fitting the scales of {len(scaled)} MatMulNBits weights: step {step + 1} of {steps}")
-        loss = kl(torch.from_numpy(np.sort(choose.choice(trained, TUNE_BATCH, replace=False))), tuned=True)
+        loss = kl(torch.from_numpy(np.sort(choose.choice(trained, TUNE_BATCH, replace=False))))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     with torch.no_grad():
-        after = float(kl(held_out, tuned=True))
+        after = float(kl(held_out))
     kept = after < before
     report = {
         "method": "each MatMulNBits block's scale fitted by Adam on its logarithm to the float model's next-token "
