@@ -74,6 +74,8 @@ RECIPES = {
     "gptq auto rotated 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points auto --head-bits 8 --rotate 0".split(),
     "gptq offsets rotated 8-bit head, level 4": "--bits 4 --recipe gptq --zero-points offsets --head-bits 8 --rotate 0".split(),
     "gptq rotated 8-bit head tuned, level 4": "--bits 4 --recipe gptq --head-bits 8 --rotate 0 --tune-scales 120".split(),
+    "gptq rotated 8-bit head tuned 240, level 4": "--bits 4 --recipe gptq --head-bits 8 --rotate 0 --tune-scales 240".split(),
+    "gptq rotated tuned, level 4": "--bits 4 --recipe gptq --rotate 0 --tune-scales 120".split(),
     "gptq 8-bit head tuned, level 4": "--bits 4 --recipe gptq --head-bits 8 --tune-scales 120".split(),
     "rtn tuned, level 4": "--bits 4 --recipe rtn --accuracy-level 4 --tune-scales 120".split(),
     "8-bit rtn, level 4": ["--bits", "8", "--recipe", "rtn", "--accuracy-level", "4"],
