@@ -434,24 +434,30 @@ def _quantize_artifact(
         progress(f"writing the {total} quantized weights")
         write_artifact(scratch_dir, _serialise(manifest, files, extra, pending))
         del files, pending
+        fitted = None
         if tune_scales is not None:
-            scratch_dir = _tuned(source, scratch_dir, Path(scratch) / "tuned", tune_scales, progress)
+            scratch_dir, fitted = _tuned(source, scratch_dir, Path(scratch) / "tuned", tune_scales, progress)
         progress("measuring logits error, greedy agreement and perplexity against the float model on ort-cpu")
         measured = open_artifact(scratch_dir)
         quality = evaluate_quality(float_source, measured, greedy_tokens=greedy_tokens, text=text)
         written = json.loads((scratch_dir / MANIFEST_FILE).read_text())
         written["quantization"]["quality"] = quality
+        if fitted is not None:
+            written["quantization"]["scales_tuned"] = fitted
         progress(f"writing {out_dir}")
         write_artifact(out_dir, {MANIFEST_FILE: manifest_bytes(written)}, verify=open_artifact, move_from=scratch_dir)
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
 
 
-def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, progress) -> Path:
-    """The directory of `quantized_dir`'s artifact with its scales fitted to `source` (tuning.py) and the fit's report
-    in its manifest: `out_dir`, written beside it."""
+def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, progress) -> tuple[Path, dict]:
+    """(the directory of `quantized_dir`'s artifact with its scales fitted to `source` (tuning.py), the fit's report):
+    `out_dir`, written beside it, where the fit is kept; `quantized_dir` itself where it is not."""
     quantized = open_artifact(quantized_dir)
     tuned, report = tune_scales(source, quantized, steps, progress)
-    progress("writing the fitted scales" if tuned else "keeping the rounded scales: fitting did not lower the KL")
+    if not tuned:
+        progress("keeping the rounded scales: fitting did not lower the KL")
+        return quantized_dir, report
+    progress("writing the fitted scales")
     graph = quantized.graphs[0]
     proto = validate_onnx(graph.model_path)
     weights = GraphWeights(proto, str(graph.model_path.parent), graph.model_path, PendingWeights())
@@ -459,10 +465,9 @@ def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, pro
         weights.hold(weights.tensors[name], values.reshape(weights.array(name).shape))
     weights.detach(proto)
     manifest = quantized.manifest.to_dict()
-    manifest["quantization"]["scales_tuned"] = report
     extra = {name: (quantized_dir / name).read_bytes() for name in manifest.get("extra_files") or {}}
     write_artifact(out_dir, pack_artifact(manifest, {graph.name: proto}, extra, pending=weights.pending))
-    return out_dir
+    return out_dir, report
 
 
 def _rotated(source: Artifact, out_dir: Path, seed: int, stack: contextlib.ExitStack, progress):

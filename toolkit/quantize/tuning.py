@@ -114,7 +114,6 @@ def tune_scales(source, quantized, steps: int, progress=None) -> tuple[dict[str,
     for weight in scaled:  # the fit computes these from the levels: the model's own copies go
         for name, _ in weight.entries:
             model.get_parameter(name).data = torch.empty(0)
-    for weight in scaled:
         weight.log_scale = torch.zeros(weight.levels.shape[0], weight.stored.size // weight.levels.shape[0])
         weight.log_scale.requires_grad_(True)
     rows = len(feed["input_ids"])
