@@ -166,7 +166,14 @@ class TextTokenizer:
                 for m in messages
             ]
             segments = _split_marked(self._render(marked, add_generation_prompt), opening, closing)
-            if segments is not None and "".join(text for text, _ in segments) == plain:
+            # Each content must come out as a message's own (a template that upper-cases contents renders its
+            # markers through unchanged where they hold no letters, and the two renders then agree).
+            contents = {m["content"].strip() if trim else m["content"] for m in messages if isinstance(m, dict)}
+            if (
+                segments is not None
+                and all(text in contents for text, is_content in segments if is_content)
+                and "".join(text for text, _ in segments) == plain
+            ):
                 return self._with_bos(self._segment_ids(segments))
         raise ModelFileError(
             f"{self.template_source}: the chat template changes message contents (beyond trimming them) or drops "

@@ -441,6 +441,17 @@ def test_encode_chat_refuses_a_template_that_changes_contents(tmp_path, trained,
         tokenizer.encode_chat([{"role": "user", "content": "hello"}])
 
 
+def test_encode_chat_refuses_an_upper_casing_template_whatever_the_markers_hold(tmp_path, trained, monkeypatch):
+    """The markers' random part may hold no letters (about 1 draw in 1900), which upper-casing leaves as they are:
+    the contents themselves must still come out unchanged."""
+    import secrets
+
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "0123456789"[: 2 * n] + "0" * max(0, 2 * n - 10))
+    tokenizer = chatml(tmp_path, trained, "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}")
+    with pytest.raises(ModelFileError, match=r"the chat template changes message contents"):
+        tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+
+
 def test_encode_chat_refuses_content_that_is_not_text(tmp_path, trained):
     from artifact.errors import InputError
 
