@@ -144,8 +144,8 @@ class TextTokenizer:
 
         The template renders once with the real contents and once with each content between unforgeable
         markers; the two must agree once the markers are removed (a template that trims contents is followed),
-        else the template changes contents in a way that cannot be told apart from its markup and the chat
-        is refused. Special tokens are taken from the markup only; everything between two of them (markup
+        and each marked span must be a message's own content, else the template changes contents in a way that
+        cannot be told apart from its markup and the chat is refused. Special tokens are taken from the markup only; everything between two of them (markup
         text and contents together) is encoded in one piece, so ordinary chats get the ids the whole rendered
         string would.
         """
@@ -168,7 +168,7 @@ class TextTokenizer:
             segments = _split_marked(self._render(marked, add_generation_prompt), opening, closing)
             # Each content must come out as a message's own (a template that upper-cases contents renders its
             # markers through unchanged where they hold no letters, and the two renders then agree).
-            contents = {m["content"].strip() if trim else m["content"] for m in messages if isinstance(m, dict)}
+            contents = {c.strip() if trim else c for m in messages if isinstance(m, dict) and (c := m.get("content"))}
             if (
                 segments is not None
                 and all(text in contents for text, is_content in segments if is_content)

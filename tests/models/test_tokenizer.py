@@ -452,6 +452,18 @@ def test_encode_chat_refuses_an_upper_casing_template_whatever_the_markers_hold(
         tokenizer.encode_chat([{"role": "user", "content": "hello"}])
 
 
+def test_encode_chat_takes_a_message_without_content(tmp_path, trained):
+    """A message whose content is absent or None (an assistant turn that only calls tools) renders as the template
+    renders it; the check that each content comes out as a message's own looks only at messages with content."""
+    tokenizer = chatml(
+        tmp_path, trained, "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] or '' }}{% endfor %}"
+    )
+    ids = tokenizer.encode_chat(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "tool"}]
+    )
+    assert tokenizer.decode(ids, skip_special=True) == "[user]hi[assistant][tool]"
+
+
 def test_encode_chat_refuses_content_that_is_not_text(tmp_path, trained):
     from artifact.errors import InputError
 
