@@ -188,12 +188,12 @@ def main() -> int:
     from models.artifacts import open_artifact
     from runners.registry import create_runner
     from toolkit.bench.bench import smollm2_gguf
-    from toolkit.quantize.pipeline import _perplexity_of_windows, read_perplexity_text
+    from toolkit.quantize.pipeline import _text_terms, read_perplexity_text
 
     args.work.mkdir(parents=True, exist_ok=True)
     artifact = open_artifact(args.float)
     text = read_perplexity_text(artifact, args.text)
-    float_perplexity = _perplexity_of_windows(create_runner("ort-cpu", artifact), text.windows)
+    float_perplexity = math.exp(_text_terms(create_runner("ort-cpu", artifact), text.windows)[0].mean())
     source = args.work / "proxy.F32.gguf"
     write_float_gguf(args.hf, source, smollm2_gguf())
     theirs = perplexity_of(source, text.windows, args.threads)

@@ -9,7 +9,7 @@ directory (safetensors, the GGUF's tokenizer). The float model is then that nois
 the baseline each recipe is measured against. Noise 0 is the GGUF's weights as they are (on the grid). For each
 noise level: `toolkit export --lowering ort`, then
 `toolkit quantize` with each recipe at 4 bits (the k-quant ones with and without --imatrix), and rtn and mixed
-at 8, recording the quality report (greedy agreement, perplexity,
+at 8, recording the quality report (greedy agreement, perplexity, KL from the float model,
 logit error against the float artifact on ort-cpu) and the quantize wall time.
 
 `--proxy rotation|permutation` takes, in place of the noise levels, the GGUF's model in weights on no grid that
@@ -276,6 +276,7 @@ def main() -> int:
                 "greedy_agreement": quality["greedy_agreement"],
                 "perplexity": quality["perplexity_quantized"],
                 "perplexity_vs_float": quality["perplexity_quantized"] / quality["perplexity_float"] - 1,
+                "kl_from_float": quality["kl_from_float"],
                 "logits_max_abs": quality["logits_max_abs"],
                 "logits_mean_abs": quality["logits_mean_abs"],
                 "perplexity_tokens": quality["perplexity_tokens"],
@@ -287,7 +288,8 @@ def main() -> int:
             row = level["recipes"][name]
             print(
                 f"{base.name}: {name}: agreement {row['greedy_agreement']:.1%}, perplexity {row['perplexity']:.2f} "
-                f"({row['perplexity_vs_float']:+.1%} of float {level['float_perplexity']:.2f}), {seconds:.0f} s",
+                f"({row['perplexity_vs_float']:+.1%} of float {level['float_perplexity']:.2f}), KL from float "
+                f"{row['kl_from_float']:.4f}, {seconds:.0f} s",
                 flush=True,
             )
         results["levels"].append(level)

@@ -275,20 +275,29 @@ def test_quantize_measures_perplexity_on_a_users_text_window_by_window(artifact_
     which = "all" if used == len(ids) else "the first"
     assert f"of text.txt: {len(windows)} windows, {which} {used} tokens of the file" in result.output
 
-    def loss(logits, window):  # numpy: -log softmax at the next token
+    def log_probs(logits):  # numpy: log softmax of the rows that predict a token
         logits = np.asarray(logits, dtype=np.float64)[:-1]
         shifted = logits - logits.max(-1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-        return -log_probs[np.arange(len(window) - 1), window[1:]]
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+    def loss(rows, window):  # -log p of the next token
+        return -rows[np.arange(len(window) - 1), window[1:]]
 
     with torch.no_grad():
-        hf = np.concatenate([loss(model(torch.tensor([w])).logits[0].double().numpy(), w) for w in windows])
-    assert quality["perplexity_float"] == pytest.approx(math.exp(hf.mean()), rel=1e-5)
-    runner = create_runner("ort-cpu", open_artifact(out))
-    quantized = np.concatenate(
-        [loss(CachedLM(runner, width).step(np.asarray([w], dtype=np.int64))[0], w) for w in windows]
+        hf = [log_probs(model(torch.tensor([w])).logits[0].double().numpy()) for w in windows]
+    assert quality["perplexity_float"] == pytest.approx(
+        math.exp(np.concatenate([loss(r, w) for r, w in zip(hf, windows, strict=True)]).mean()), rel=1e-5
     )
+    runner = create_runner("ort-cpu", open_artifact(out))
+    ours = [log_probs(CachedLM(runner, width).step(np.asarray([w], dtype=np.int64))[0]) for w in windows]
+    quantized = np.concatenate([loss(r, w) for r, w in zip(ours, windows, strict=True)])
     assert quality["perplexity_quantized"] == pytest.approx(math.exp(quantized.mean()), rel=1e-9)
+    # KL(transformers' float model || the int8 artifact) at the same tokens: the report's float side is ONNX
+    # Runtime's and stored as float16, so the two agree to about a percent, not to the last bit.
+    kl = np.concatenate([(np.exp(f) * (f - q)).sum(-1) for f, q in zip(hf, ours, strict=True)])
+    assert kl.mean() > 0
+    assert quality["kl_from_float"] == pytest.approx(kl.mean(), rel=1e-2)
+    assert f"KL from float:     {quality['kl_from_float']:.4g} nats per token" in result.output
 
 
 def test_a_long_perplexity_text_is_tokenized_only_as_far_as_the_measured_tokens(artifact_dir, checkpoint, tmp_path):

@@ -251,6 +251,7 @@ def command(
         f"  perplexity:        float {q['perplexity_float']:.4g}, quantized {q['perplexity_quantized']:.4g} "
         f"({q['perplexity_tokens']} tokens{_text_source(q['perplexity_text'])})"
     )
+    click.echo(f"  KL from float:     {q['kl_from_float']:.4g} nats per token over those tokens")
     if json_file:
         report = {
             "artifact": str(out_dir),

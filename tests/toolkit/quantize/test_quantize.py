@@ -599,6 +599,14 @@ def numpy_agreement(float_logits: np.ndarray, quant_logits: np.ndarray) -> float
     return sum(same) / len(same)
 
 
+def numpy_log_z(row: list[float]) -> float:
+    """Independent: log sum exp of one row of logits, via math.fsum."""
+    import math
+
+    top = max(row)
+    return top + math.log(math.fsum(math.exp(v - top) for v in row))
+
+
 def numpy_perplexity(logits: np.ndarray, ids: list[int]) -> float:
     """Independent: exp of the mean next-token negative log-likelihood, via math.fsum and log-sum-exp."""
     import math
@@ -606,10 +614,21 @@ def numpy_perplexity(logits: np.ndarray, ids: list[int]) -> float:
     nll = []
     for t in range(len(ids) - 1):
         row = [float(v) for v in logits[t]]
-        top = max(row)
-        log_z = top + math.log(math.fsum(math.exp(v - top) for v in row))
-        nll.append(log_z - row[ids[t + 1]])
+        nll.append(numpy_log_z(row) - row[ids[t + 1]])
     return math.exp(math.fsum(nll) / len(nll))
+
+
+def numpy_kl(float_logits: np.ndarray, other_logits: np.ndarray) -> float:
+    """Independent: the mean over rows but the last (those that predict a token) of KL(p || q), written from the
+    logits f, o and their log-normalisers as E_p[f - o] - log Z_f + log Z_o, via math.fsum."""
+    import math
+
+    kls = []
+    for f, o in zip(float_logits[:-1].tolist(), other_logits[:-1].tolist(), strict=True):
+        log_z_f, log_z_o = numpy_log_z(f), numpy_log_z(o)
+        expected = math.fsum(math.exp(a - log_z_f) * (a - b) for a, b in zip(f, o, strict=True))
+        kls.append(expected - log_z_f + log_z_o)
+    return math.fsum(kls) / len(kls)
 
 
 def flipped_fixture():
@@ -659,6 +678,25 @@ def test_perplexity_of_hand_computable_logits():
         perplexity(logits[:3], ids)
 
 
+def test_kl_divergences_by_hand():
+    """p = (1/2, 1/2, 0) against q = (1/4, 1/4, 1/2): 2 * 1/2 * ln 2 = ln 2, the token p never gives (log p =
+    -inf) adding 0; p against itself is 0; a certain p against a uniform q over 4 is ln 4; q giving no probability
+    where p gives some is infinitely far."""
+    import math
+
+    from toolkit.quantize.pipeline import kl_divergences, log_softmax
+
+    with np.errstate(divide="ignore"):
+        p = np.log([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [1.0, 0.0, 0.0]])
+        q = np.log([[0.25, 0.25, 0.5], [0.2, 0.3, 0.5], [0.0, 0.5, 0.5]])
+        got = kl_divergences(p, q)
+    assert got[:2] == pytest.approx([math.log(2), 0.0], abs=1e-15)
+    assert got[2] == math.inf
+    uniform = log_softmax(np.zeros((1, 4)))
+    certain = log_softmax(np.array([[0.0, -np.inf, -np.inf, -np.inf]]))
+    assert kl_divergences(certain, uniform) == pytest.approx([math.log(4)], abs=1e-15)
+
+
 def independent_quality(float_artifact, other_artifact) -> dict:
     """Greedy agreement and both perplexities recomputed from the two models' logits on ONNX Runtime CPU (the
     runners and inputs of the report): the float model's greedy continuation of each prompt, teacher-forced
@@ -683,11 +721,13 @@ def independent_quality(float_artifact, other_artifact) -> dict:
         agreed += numpy_agreement(f, q) * len(f)
         positions += len(f)
     text = text_ids[: config.max_positions]
+    float_text, other_text = logits("float", text), logits("other", text)
     return {
         "greedy_agreement": agreed / positions,
         "greedy_positions": positions,
-        "perplexity_float": numpy_perplexity(logits("float", text), text),
-        "perplexity_quantized": numpy_perplexity(logits("other", text), text),
+        "perplexity_float": numpy_perplexity(float_text, text),
+        "perplexity_quantized": numpy_perplexity(other_text, text),
+        "kl_from_float": numpy_kl(float_text, other_text),
     }
 
 
@@ -696,6 +736,11 @@ def assert_quality_matches(reported: dict, independent: dict) -> None:
     assert reported["greedy_agreement"] == pytest.approx(independent["greedy_agreement"], abs=1e-12)
     for key in ("perplexity_float", "perplexity_quantized"):
         assert reported[key] == pytest.approx(independent[key], rel=1e-9), key
+    # The float model's log-probabilities wait for the quantized model's as float16, which moves each by up to
+    # 2**-11 of itself: the KL is held to a percent (int4 of the test model: 1.2e-8 nats, 0.5 % apart), not to
+    # float64's last bits.
+    assert independent["kl_from_float"] > 0
+    assert reported["kl_from_float"] == pytest.approx(independent["kl_from_float"], rel=1e-2)
 
 
 def test_reported_quality_of_a_quantized_artifact_equals_an_independent_computation(source, quantized):
@@ -717,6 +762,9 @@ def test_quality_of_a_different_model_flips_arg_maxes_and_perplexity(source, tmp
     independent = independent_quality(source, other)
     assert_quality_matches(reported, independent)
     assert independent["greedy_agreement"] < 0.9  # measured: 0.0
+    assert independent["kl_from_float"] > 0.1  # measured: 5.2
+    # far from float, float16's rounding of the stored side is lost in the distance: 1e-10 apart
+    assert reported["kl_from_float"] == pytest.approx(independent["kl_from_float"], rel=1e-6)
     assert abs(independent["perplexity_quantized"] / independent["perplexity_float"] - 1) > 0.01
 
 
