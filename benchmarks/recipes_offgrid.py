@@ -18,7 +18,9 @@ each FFN's hidden channels and each KV head's value channels permuted), so the f
 Rotation spreads the outlier channels into dense directions that every input channel shares; permutation keeps
 them channels, as a trained checkpoint has them.
 `--seed N` makes another proxy of the same kind (another rotation, other permutations): how much a recipe's
-result depends on the draw.
+result depends on the draw. `--calibration-seeds 0,1,2` runs each recipe once per seed of the text that gptq and
+--tune-scales calibrate on (`toolkit quantize --calibration-seed`) and records each run and, per recipe, the median
+and range of each measure over the seeds: how much a result depends on the calibration text.
 
 Needs transformers and accelerate (transformers' GGUF loader requires it); the saved config drops the keys that
 transformers copies from the GGUF's metadata and that no Hugging Face checkpoint holds (`_model_name_or_path`,
@@ -217,6 +219,11 @@ def main() -> int:
         help="--proxy: the seed of its random rotation or permutations (default 0; each seed is another proxy of the "
         "same model)",
     )
+    parser.add_argument(
+        "--calibration-seeds",
+        help="comma-separated seeds: each recipe runs once per `toolkit quantize --calibration-seed`, reported per run "
+        "and as the median and range over them (the recipes must calibrate on a sampled text: gptq, --tune-scales)",
+    )
     args = parser.parse_args()
     if args.proxy and "--noise" in sys.argv:
         parser.error("--proxy replaces the noise levels; give one of --proxy and --noise")
@@ -261,41 +268,68 @@ def main() -> int:
             "seed": seed if proxy else None,
             "recipes": {},
         }
+        seeds = [None] if args.calibration_seeds is None else [int(s) for s in args.calibration_seeds.split(",")]
         for name, options in chosen.items():
-            out, report = base / name.replace(", ", "-").replace(" ", "-"), base / f"{name.replace(', ', '-')}.json"
-            if out.exists():
-                subprocess.run(["rm", "-rf", str(out)], check=True)
-            load = os.getloadavg()[0]
-            text = ["--perplexity-text", args.text] if args.text is not None else []
-            seconds = run([*TOOLKIT, "quantize", exported, *options, *text, "--out", out, "--json", report, "--quiet"])
-            written = json.loads(report.read_text())
-            quality = written["quality"]
-            level["float_perplexity"] = quality["perplexity_float"]
-            level["recipes"][name] = {
-                "options": " ".join(options),
-                "greedy_agreement": quality["greedy_agreement"],
-                "perplexity": quality["perplexity_quantized"],
-                "perplexity_vs_float": quality["perplexity_quantized"] / quality["perplexity_float"] - 1,
-                "kl_from_float": quality["kl_from_float"],
-                "logits_max_abs": quality["logits_max_abs"],
-                "logits_mean_abs": quality["logits_mean_abs"],
-                "perplexity_tokens": quality["perplexity_tokens"],
-                "zero_points": written.get("zero_points"),
-                "zero_points_chosen": written.get("zero_points_chosen"),
-                "quantize_seconds": round(seconds, 1),
-                "load_average": load,
-            }
-            row = level["recipes"][name]
-            print(
-                f"{base.name}: {name}: agreement {row['greedy_agreement']:.1%}, perplexity {row['perplexity']:.2f} "
-                f"({row['perplexity_vs_float']:+.1%} of float {level['float_perplexity']:.2f}), KL from float "
-                f"{row['kl_from_float']:.4f}, {seconds:.0f} s",
-                flush=True,
-            )
+            runs = {}
+            for calibration_seed in seeds:
+                seeded = [] if calibration_seed is None else ["--calibration-seed", str(calibration_seed)]
+                label = name if calibration_seed is None else f"{name} calibration seed {calibration_seed}"
+                runs[calibration_seed] = measured = quantized(exported, base, label, [*options, *seeded], args.text)
+                level["float_perplexity"] = measured.pop("float_perplexity")
+                print(
+                    f"{base.name}: {label}: agreement {measured['greedy_agreement']:.1%}, perplexity "
+                    f"{measured['perplexity']:.2f} ({measured['perplexity_vs_float']:+.1%} of float "
+                    f"{level['float_perplexity']:.2f}), KL from float {measured['kl_from_float']:.4f}, "
+                    f"{measured['quantize_seconds']:.0f} s",
+                    flush=True,
+                )
+            level["recipes"][name] = runs[None] if seeds == [None] else over_seeds(runs)
         results["levels"].append(level)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
+
+
+SPREAD = ("greedy_agreement", "perplexity_vs_float", "kl_from_float", "logits_mean_abs")
+
+
+def over_seeds(runs: dict) -> dict:
+    """Each calibration seed's run, and the median, least and largest of each SPREAD measure over them."""
+    import statistics
+
+    summary = {"calibration_seeds": {str(seed): row for seed, row in runs.items()}}
+    for key in SPREAD:
+        values = [row[key] for row in runs.values()]
+        summary[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return summary
+
+
+def quantized(exported: Path, base: Path, name: str, options: list, text) -> dict:
+    """`toolkit quantize exported *options` into base/<name>, and the quality report's measures."""
+    out, report = base / name.replace(", ", "-").replace(" ", "-"), base / f"{name.replace(', ', '-')}.json"
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    load = os.getloadavg()[0]
+    text = ["--perplexity-text", text] if text is not None else []
+    seconds = run([*TOOLKIT, "quantize", exported, *options, *text, "--out", out, "--json", report, "--quiet"])
+    written = json.loads(report.read_text())
+    quality = written["quality"]
+    return {
+        "float_perplexity": quality["perplexity_float"],
+        "options": " ".join(options),
+        "greedy_agreement": quality["greedy_agreement"],
+        "perplexity": quality["perplexity_quantized"],
+        "perplexity_vs_float": quality["perplexity_quantized"] / quality["perplexity_float"] - 1,
+        "kl_from_float": quality["kl_from_float"],
+        "logits_max_abs": quality["logits_max_abs"],
+        "logits_mean_abs": quality["logits_mean_abs"],
+        "perplexity_tokens": quality["perplexity_tokens"],
+        "zero_points": written.get("zero_points"),
+        "zero_points_chosen": written.get("zero_points_chosen"),
+        "quantize_seconds": round(seconds, 1),
+        "load_average": load,
+        "calibration_seed": written.get("calibration_seed"),
+    }
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from toolkit.quantize.pipeline import (
     ZERO_POINTS,
     quantize_artifact,
 )
-from toolkit.quantize.sensitivity import PROMOTED_SHARE
+from toolkit.quantize.sensitivity import DEFAULT_CALIBRATION_SEED, PROMOTED_SHARE
 from toolkit.quantize.tuning import TUNE_BATCH
 
 
@@ -113,6 +113,16 @@ from toolkit.quantize.tuning import TUNE_BATCH
     "speed); kept only where it lowers the KL on rows held out. Not with the gguf recipe.",
 )
 @click.option(
+    "--calibration-seed",
+    "calibration_seed",
+    type=click.IntRange(min=0),
+    metavar="SEED",
+    help="The seed of the sampling that writes the text --recipe gptq and --tune-scales calibrate on (the float "
+    "model's own continuations). Each seed is another text and so another rounding: on SmolLM2 four seeds moved one "
+    "recipe's perplexity over about two points (README); compare recipes over several. [default: "
+    f"{DEFAULT_CALIBRATION_SEED}]",
+)
+@click.option(
     "--q4-1",
     "q4_1",
     type=click.Choice(Q4_1_LAYOUTS),
@@ -153,6 +163,7 @@ def command(
     zero_points,
     rotate,
     tune_scales,
+    calibration_seed,
     q4_1,
     greedy_tokens,
     perplexity_text,
@@ -175,6 +186,7 @@ def command(
         zero_points=zero_points,
         rotate=rotate,
         tune_scales=tune_scales,
+        calibration_seed=calibration_seed,
         q4_1=q4_1,
         greedy_tokens=greedy_tokens,
         perplexity_text=perplexity_text,

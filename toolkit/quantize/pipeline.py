@@ -57,7 +57,13 @@ from models.registry import has_cache
 from toolkit.quantize.gguf_recipe import GGUFRecipe, gguf_recipe
 from toolkit.quantize.importance import hessians, importance
 from toolkit.quantize.rotation import FUNCTION_BOUND, rotate_artifact
-from toolkit.quantize.sensitivity import PROMOTED_SHARE, calibration, measure, sampled_calibration
+from toolkit.quantize.sensitivity import (
+    DEFAULT_CALIBRATION_SEED,
+    PROMOTED_SHARE,
+    calibration,
+    measure,
+    sampled_calibration,
+)
 from toolkit.quantize.tuning import tune_scales
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
@@ -163,6 +169,7 @@ def _quantize_artifact(
     zero_points: str | None = None,
     rotate: int | None = None,
     tune_scales: int | None = None,
+    calibration_seed: int | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     perplexity_text=None,
     progress=None,
@@ -186,7 +193,9 @@ def _quantize_artifact(
     seed draws (a randomized Hadamard matrix, rotation.rotation_matrix) before quantizing (toolkit/quantize/rotation.py: the same function in other
     weights), for the recipes that round float weights. tune_scales: fit each block's scale to the float model's
     next-token distributions in this many steps once the weights are rounded (toolkit/quantize/tuning.py), codes and
-    zero points unchanged; not with the gguf recipe. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    zero points unchanged; not with the gguf recipe. calibration_seed: the seed of the sampler that writes the text
+    gptq and tune_scales calibrate on (sampled_calibration; None is DEFAULT_CALIBRATION_SEED), refused where neither
+    runs. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
@@ -272,6 +281,15 @@ def _quantize_artifact(
         )
     if tune_scales is not None and tune_scales < 1:
         raise ConfigError(f"--tune-scales: expected a number of steps of at least 1, got {tune_scales!r}")
+    sampled = recipe == GPTQ or tune_scales is not None  # the steps that calibrate on a text the float model writes
+    if calibration_seed is not None and not sampled:
+        raise ConfigError(
+            f"--calibration-seed seeds the text that --recipe gptq and --tune-scales calibrate on; --recipe {recipe} "
+            "without --tune-scales writes none: drop --calibration-seed"
+        )
+    if calibration_seed is not None and calibration_seed < 0:
+        raise ConfigError(f"--calibration-seed: expected a seed of at least 0, got {calibration_seed!r}")
+    calibration_seed = (DEFAULT_CALIBRATION_SEED if calibration_seed is None else calibration_seed) if sampled else None
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     if recipe in KQUANT_RECIPES:
         zero_points = zero_points or DEFAULT_ZERO_POINTS
@@ -362,6 +380,7 @@ def _quantize_artifact(
             blocks = _gptq(
                 source, weights, constant, graph.entry.data["weights"], folded, head_b, progress, order=order,
                 bits=bits, head_bits=head_bits, block_size=block_size, zero_points=zero_points, chosen=chosen,
+                seed=calibration_seed,
             )  # fmt: skip
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
         if blocks is not None:
@@ -410,6 +429,7 @@ def _quantize_artifact(
         "head_bits": head_bits,  # the vocabulary projection's width where the recipe rounds it itself, else None
         "imatrix": imatrix,  # the k-quant search weighted by each input channel's mean square
         "zero_points": zero_points,  # k-quant and gptq block minimums: integer zero points, float offsets or auto
+        "calibration_seed": calibration_seed,  # the sampled calibration text's seed where gptq or the fit used one
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,
     }
@@ -436,7 +456,9 @@ def _quantize_artifact(
         del files, pending
         fitted = None
         if tune_scales is not None:
-            scratch_dir, fitted = _tuned(source, scratch_dir, Path(scratch) / "tuned", tune_scales, progress)
+            scratch_dir, fitted = _tuned(
+                source, scratch_dir, Path(scratch) / "tuned", tune_scales, calibration_seed, progress
+            )
         progress("measuring logits error, greedy agreement, perplexity and KL against the float model on ort-cpu")
         measured = open_artifact(scratch_dir)
         log_probs = Path(scratch) / "float-log-probs"  # beside the artifact, as large as the text's float logits
@@ -450,11 +472,11 @@ def _quantize_artifact(
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
 
 
-def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, progress) -> tuple[Path, dict]:
+def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, seed: int, progress) -> tuple[Path, dict]:
     """(the directory of `quantized_dir`'s artifact with its scales fitted to `source` (tuning.py), the fit's report):
     `out_dir`, written beside it, where the fit is kept; `quantized_dir` itself where it is not."""
     quantized = open_artifact(quantized_dir)
-    tuned, report = tune_scales(source, quantized, steps, progress)
+    tuned, report = tune_scales(source, quantized, steps, progress, seed)
     if not tuned:
         progress("keeping the rounded scales: fitting did not lower the KL")
         return quantized_dir, report
@@ -507,10 +529,11 @@ def _gptq(
     block_size: int,
     zero_points: str,
     chosen: dict[str, int],
+    seed: int,
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
     holds a tied head's values, found by head_copies; `order`: them in the order blocks(b) is asked for them):
-    E[x^T x] of each one's input measured on the sampled calibration text, then each weight rounded by GPTQ as it
+    E[x^T x] of each one's input measured on the calibration text the sampler seeded with `seed` writes, then each weight rounded by GPTQ as it
     is written (counted in `chosen` by its zero points). The second moments are measured in as few forward passes
     as hold them in half the memory available once the float model is loaded, each pass for the next weights in
     `order`, when the first of them is asked for; a weight whose own would not fit is refused up front."""
@@ -538,7 +561,7 @@ def _gptq(
             f"{GPTQ_TOKENS // 2}x the tokens a --variant serving export feeds)"
         )
     )
-    calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS)
+    calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS, seed)
     free = available_memory()
     refuse_beyond(free)
     passes = _passes(order, need, None if free is None else free // 2)

@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from artifact.errors import ConfigError
 from artifact.read import validate_onnx
+from toolkit.quantize.sensitivity import DEFAULT_CALIBRATION_SEED
 
 # On SmolLM2's permuted draws (4-bit head, 120 steps) 64 rows end nearer float than 32 on all three draws, and 128
 # no nearer than 64 on the one draw measured: 120 steps of 2 rows see each of the 60 trained rows about four times.
@@ -96,9 +97,12 @@ def scaled_weights(artifact) -> list[_Scaled]:
     return list(found.values())
 
 
-def tune_scales(source, quantized, steps: int, progress=None) -> tuple[dict[str, np.ndarray], dict]:
+def tune_scales(
+    source, quantized, steps: int, progress=None, seed: int = DEFAULT_CALIBRATION_SEED
+) -> tuple[dict[str, np.ndarray], dict]:
     """({scales initializer: tuned values} (empty where tuning did not lower the held-out KL), the report) for the
-    quantized artifact `quantized` of the float artifact `source`."""
+    quantized artifact `quantized` of the float artifact `source`, fitted on the text the sampler seeded with `seed`
+    writes."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     from runners.eager import eager_runner, model_from_artifact
@@ -106,7 +110,7 @@ def tune_scales(source, quantized, steps: int, progress=None) -> tuple[dict[str,
 
     progress = progress or (lambda message: None)
     progress(f"writing a text of {TUNE_ROWS} x {TUNE_TOKENS} tokens with the float model to fit the scales on")
-    calibrated = sampled_calibration(source, calibration(source), TUNE_ROWS, TUNE_TOKENS)
+    calibrated = sampled_calibration(source, calibration(source), TUNE_ROWS, TUNE_TOKENS, seed)
     float_model, float_runner, feed = calibrated.model, calibrated.runner, calibrated.feed
     model = model_from_artifact(quantized).eval()
     runner = eager_runner(quantized, torch.float32, "eager", model=model)

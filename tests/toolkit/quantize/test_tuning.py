@@ -19,7 +19,7 @@ from models.registry import build_model, get_family
 from tests.toolkit.quantize.test_quantize import CONFIG, mnb_dequantize, ort_logits
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
-from toolkit.quantize import sensitivity, tuning
+from toolkit.quantize import tuning
 from toolkit.quantize.sensitivity import calibration, sampled_calibration
 
 pytestmark = pytest.mark.slow
@@ -46,12 +46,10 @@ def graph(directory):
     return proto, values
 
 
-def held_out_kl(source, artifact, monkeypatch) -> float:
+def held_out_kl(source, artifact) -> float:
     """Mean KL(float || quantized) of ONNX Runtime's next-token distributions, computed with numpy in float64, on
     text the float model writes with a seed neither calibration nor tuning samples with."""
-    with monkeypatch.context() as patch:
-        patch.setattr(sensitivity, "SAMPLING_SEED", 7)
-        held_out = sampled_calibration(source, calibration(source), 8, 48).feed["input_ids"]
+    held_out = sampled_calibration(source, calibration(source), 8, 48, seed=7).feed["input_ids"]
 
     def log_softmax(logits):
         shifted = logits - logits.max(-1, keepdims=True)
@@ -62,7 +60,7 @@ def held_out_kl(source, artifact, monkeypatch) -> float:
 
 
 @pytest.mark.parametrize("recipe", [("--recipe", "rtn"), ("--recipe", "gptq", "--zero-points", "offsets")])
-def test_tuned_scales_keep_the_graph_and_codes_and_come_nearer_the_float_model(source, tmp_path, monkeypatch, recipe):
+def test_tuned_scales_keep_the_graph_and_codes_and_come_nearer_the_float_model(source, tmp_path, recipe):
     """The same recipe with and without --tune-scales: identical nodes and every initializer but the scales bit for
     bit; the scales moved, the held-out KL the manifest reports lower, logits on held-out text nearer the float
     model's, the CLI says so, and the tuned artifact checks against its dequantized reference."""
@@ -87,9 +85,7 @@ def test_tuned_scales_keep_the_graph_and_codes_and_come_nearer_the_float_model(s
     assert report["kept"] and report["held_out_kl_after"] < report["held_out_kl_before"], report
     assert report["steps"] == 200 and report["rows"] == tuning.TUNE_ROWS - tuning.HELD_OUT_ROWS
     rounded, tuned = (open_artifact(tmp_path / name) for name in ("rounded", "tuned"))
-    kl = {
-        name: held_out_kl(source, artifact, monkeypatch) for name, artifact in (("rounded", rounded), ("tuned", tuned))
-    }
+    kl = {name: held_out_kl(source, artifact) for name, artifact in (("rounded", rounded), ("tuned", tuned))}
     assert kl["tuned"] < 0.9 * kl["rounded"], kl
     check = cross_check(tuned, ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
     assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
@@ -136,3 +132,44 @@ def test_scales_that_do_not_lower_the_kl_are_not_kept(source, tmp_path, monkeypa
 def test_tune_scales_needs_a_step(source, tmp_path):
     result = invoke("quantize", source.directory, *OPTIONS, "--recipe", "rtn", "--tune-scales", 0, "--out", tmp_path)
     assert_user_error(result, "--tune-scales")
+
+
+@pytest.mark.parametrize("recipe", ["gptq", "rtn"])
+def test_the_calibration_seed_chooses_the_text_gptq_and_the_fit_calibrate_on(source, tmp_path, recipe):
+    """--calibration-seed: the manifest records the seed; no seed is seed 0 byte for byte; another seed is another
+    text, so GPTQ rounds other codes (gptq) and the fit moves the scales elsewhere from the same codes (rtn)."""
+    made = {}
+    for name, seed in (("unnamed", ()), ("zero", ("--calibration-seed", 0)), ("five", ("--calibration-seed", 5))):
+        options = (*OPTIONS, "--recipe", recipe, "--tune-scales", 20, *seed)
+        result = invoke("quantize", source.directory, *options, "--out", tmp_path / name)
+        assert result.exit_code == 0, result.output
+        assert open_artifact(tmp_path / name).manifest.quantization["calibration_seed"] == (
+            5 if seed and seed[1] else 0
+        )
+        made[name] = graph(tmp_path / name)
+    proto, values = made["unnamed"]
+    for name, array in values.items():
+        np.testing.assert_array_equal(made["zero"][1][name], array, err_msg=name)
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    codes, scales = [n.input[1] for n in nodes], [n.input[2] for n in nodes]
+    other = made["five"][1]
+    codes_moved = [name for name in codes if not np.array_equal(other[name], values[name])]
+    assert all(not np.array_equal(other[name], values[name]) for name in scales)
+    if recipe == "gptq":
+        assert codes_moved, "the same GPTQ codes from another calibration text"
+    else:
+        assert not codes_moved, codes_moved
+
+
+def test_the_calibration_seed_needs_a_text_to_seed(source, tmp_path):
+    """Round-to-nearest without --tune-scales writes no calibration text: a seed for one is refused, not ignored;
+    and a seed is at least 0."""
+    result = invoke(
+        "quantize", source.directory, *OPTIONS, "--recipe", "rtn", "--calibration-seed", 1, "--out", tmp_path / "a"
+    )
+    assert_user_error(result, "--calibration-seed", "--recipe rtn")
+    assert not (tmp_path / "a").exists()
+    result = invoke(
+        "quantize", source.directory, *OPTIONS, "--recipe", "gptq", "--calibration-seed", -1, "--out", tmp_path / "b"
+    )
+    assert_user_error(result, "--calibration-seed")
