@@ -103,8 +103,10 @@ KQUANT_RECIPES = ("kquant", "mixed", "measured")
 # and speed.
 GPTQ = "gptq"
 # GPTQ's E[x^T x] needs many more tokens than a weight has input channels (up to a few thousand); the calibration
-# text is about a hundred, so the float model continues it: GPTQ_ROWS sequences of GPTQ_TOKENS, sampled.
-GPTQ_ROWS, GPTQ_TOKENS = 8, 256
+# text is about a hundred, so the float model continues it: GPTQ_ROWS sequences of GPTQ_TOKENS, sampled. On
+# SmolLM2's permuted draw 0 (--rotate 0, four calibration seeds each) 64 rows against 8 lowered the median KL from
+# float by 11 % and narrowed its range, and 32 rows fell between (README).
+GPTQ_ROWS, GPTQ_TOKENS = 64, 256
 RECIPES = ("gguf", *KQUANT_RECIPES, GPTQ, *ALGORITHMS)
 HEAD_BITS = 8  # the mixed recipe's width for the vocabulary projection
 # --head-bits: the vocabulary projection's width for the recipes that round it themselves. mixed and measured hold it

@@ -29,7 +29,7 @@ from exporters.quantize import (
     torch_weight,
 )
 from models.artifacts import artifact_config, open_artifact
-from models.registry import has_cache
+from models.registry import has_cache, lm_defaults
 from runners.decoding.generate import CachedLM
 from runners.eager import model_from_artifact
 from runners.registry import create_runner
@@ -40,8 +40,16 @@ from tests.toolkit.quantize.test_importance import LOUD, LOUDER
 from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits, quantized, source  # noqa: F401 (fixtures)
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
+from toolkit.quantize import importance
 from toolkit.quantize.importance import hessians
-from toolkit.quantize.sensitivity import _whole_rows, calibration, calibration_ids, sampled_calibration, weights_of
+from toolkit.quantize.sensitivity import (
+    Calibration,
+    _whole_rows,
+    calibration,
+    calibration_ids,
+    sampled_calibration,
+    weights_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +95,22 @@ def test_hessians_are_the_second_moments_of_each_weights_input(tmp_path):
         got = found[by_name[f"{name}.weight"]]
         assert got.shape == want.shape == (flat.shape[1], flat.shape[1])
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max(), err_msg=name)
+
+
+def test_hessians_of_many_rows_sum_every_pass(tmp_path, monkeypatch):
+    """A text of 7 rows run 3 rows a pass (3 + 3 + 1): the same E[x^T x] as one pass over all 7 (which the test
+    above holds to the float64 model), so no row is dropped or counted twice."""
+    artifact = open_artifact(export_planted(tmp_path / "float", 1, [0, 32], 0.01))
+    matmul_b, source_map, folded, head_b = hessian_inputs(artifact)
+    base = calibration(artifact)
+    ids = np.random.default_rng(0).integers(0, artifact_config(artifact).vocab_size, (7, 12))
+    text = Calibration(base.model, base.runner, {"input_ids": ids, **lm_defaults(base.runner.input_specs, ids)})
+    whole = hessians(text, matmul_b, source_map, folded, {head_b: HEAD})
+    monkeypatch.setattr(importance, "PASS_ROWS", 3)
+    passes = hessians(text, matmul_b, source_map, folded, {head_b: HEAD})
+    assert set(passes) == set(whole) == matmul_b
+    for b, want in whole.items():
+        np.testing.assert_allclose(passes[b], want, rtol=1e-9, atol=1e-12 * np.abs(want).max(), err_msg=b)
 
 
 def test_the_sampled_calibration_text_is_the_float_models_own(source):  # noqa: F811
