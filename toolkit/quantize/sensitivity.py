@@ -172,14 +172,20 @@ DEFAULT_CALIBRATION_SEED = 0
 
 
 def sampled_calibration(
-    source, calibrated: Calibration, rows: int, tokens: int, seed: int = DEFAULT_CALIBRATION_SEED
+    source,
+    calibrated: Calibration,
+    rows: int,
+    tokens: int,
+    seed: int = DEFAULT_CALIBRATION_SEED,
+    backend: str = "ort-cpu",
 ) -> Calibration:
     """`calibrated` with a longer feed, written by the float model itself: `rows` sequences of `tokens`, each
     starting from its own slice of the calibration text (the text cut in `rows` pieces of equal length) and
-    continued by sampling the float artifact `source` on ONNX Runtime, all rows in one batch (temperature
-    SAMPLING_TEMPERATURE, no stop token, the sampler seeded with `seed`): text in the model's own distribution,
-    where no corpus ships with the toolkit. Rows are cut to the model's context where it is shorter than `tokens`.
-    A graph without a KV cache (a stages export) is fed every row whole at each token (`_whole_rows`)."""
+    continued by sampling the float artifact `source` on the runner `backend` (the recipes sample on ONNX Runtime),
+    all rows in one batch (temperature SAMPLING_TEMPERATURE, no stop token, the sampler seeded with `seed`): text in
+    the model's own distribution, where no corpus ships with the toolkit. Rows are cut to the model's context where
+    it is shorter than `tokens`. A graph without a KV cache (a stages export) is fed every row whole at each token
+    (`_whole_rows`)."""
     from models.artifacts import artifact_config
     from models.registry import has_cache, lm_defaults
     from runners.decoding.generate import CachedLM, Sampler, Sampling
@@ -189,7 +195,7 @@ def sampled_calibration(
     text = calibrated.feed["input_ids"][0].tolist()
     piece = max(min(len(text) // rows, tokens - 1), 1)
     ids = np.asarray([(text[i * piece : (i + 1) * piece] + text)[:piece] for i in range(rows)], dtype=np.int64)
-    runner = create_runner("ort-cpu", source)
+    runner = create_runner(backend, source)
     step = CachedLM(runner, tokens).step if has_cache(runner.input_specs) else _whole_rows(runner)
     sample = Sampler(Sampling(temperature=SAMPLING_TEMPERATURE, seed=seed))
     logits = step(ids)[:, -1]

@@ -97,6 +97,22 @@ def test_hessians_are_the_second_moments_of_each_weights_input(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * np.abs(want).max(), err_msg=name)
 
 
+def test_the_calibration_text_is_sampled_on_the_backend_asked_for(source, monkeypatch):  # noqa: F811
+    """sampled_calibration's backend names the runner that samples (the recipes' ort-cpu unless told): the eager
+    float64 model writes a text of the same shape from the same prompts."""
+    import runners.registry
+
+    made, create = [], runners.registry.create_runner
+    monkeypatch.setattr(
+        runners.registry, "create_runner", lambda name, *a, **k: made.append(name) or create(name, *a, **k)
+    )
+    base = calibration(source)
+    ort, f64 = (sampled_calibration(source, base, 2, 20, backend=b).feed["input_ids"] for b in ("ort-cpu", "eager-f64"))
+    assert made == ["ort-cpu", "eager-f64"]
+    piece = len(base.feed["input_ids"][0]) // 2
+    assert ort.shape == f64.shape == (2, 20) and np.array_equal(ort[:, :piece], f64[:, :piece])
+
+
 def test_hessians_of_many_rows_sum_every_pass(tmp_path, monkeypatch):
     """A text of 7 rows run 3 rows a pass (3 + 3 + 1): the same E[x^T x] as one pass over all 7 (which the test
     above holds to the float64 model), so no row is dropped or counted twice."""
