@@ -535,10 +535,11 @@ def _gptq(
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
     holds a tied head's values, found by head_copies; `order`: them in the order blocks(b) is asked for them):
-    E[x^T x] of each one's input measured on the calibration text the sampler seeded with `seed` writes, then each weight rounded by GPTQ as it
-    is written (counted in `chosen` by its zero points). The second moments are measured in as few forward passes
-    as hold them in half the memory available once the float model is loaded, each pass for the next weights in
-    `order`, when the first of them is asked for; a weight whose own would not fit is refused up front."""
+    E[x^T x] of each one's input measured on the calibration text the sampler seeded with `seed` writes, then each
+    weight rounded by GPTQ as it is written (counted in `chosen` by its zero points). The second moments are
+    measured in as few forward passes as hold them in half the memory available once the float model is loaded,
+    each pass for the next weights in `order`, when the first of them is asked for; a weight whose own would not fit
+    is refused up front."""
     from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
