@@ -291,7 +291,8 @@ def _quantize_artifact(
         )
     if calibration_seed is not None and calibration_seed < 0:
         raise ConfigError(f"--calibration-seed: expected a seed of at least 0, got {calibration_seed!r}")
-    calibration_seed = (DEFAULT_CALIBRATION_SEED if calibration_seed is None else calibration_seed) if sampled else None
+    if sampled and calibration_seed is None:
+        calibration_seed = DEFAULT_CALIBRATION_SEED
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     if recipe in KQUANT_RECIPES:
         zero_points = zero_points or DEFAULT_ZERO_POINTS
