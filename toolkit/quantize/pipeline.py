@@ -64,7 +64,7 @@ from toolkit.quantize.sensitivity import (
     measure,
     sampled_calibration,
 )
-from toolkit.quantize.tuning import tune_scales
+from toolkit.quantize.tuning import TUNE_ROWS, TUNE_TOKENS, tune_scales
 
 # Quality evaluation: fixed so two runs (or two quantizations) report comparable numbers.
 PROMPTS = (
@@ -315,6 +315,7 @@ def _quantize_artifact(
     pending = PendingWeights()  # the quantized graphs' weights, held beside them until written
     total, untied, promotion = 0, False, None
     chosen = {"integer": 0, "offsets": 0}  # the k-quant weights' zero points, as made
+    texts = {}  # {(rows, tokens, seed): the token ids of a sampled calibration text}, so the fit reuses GPTQ's
     for k, (entry, graph) in enumerate(zip(manifest["graphs"], source.graphs, strict=False)):
         progress(f"reading graph {k + 1} of {len(source.graphs)} ({graph.model_path.name})")
         proto = validate_onnx(graph.model_path)  # without its external data: weights are read one at a time
@@ -383,7 +384,7 @@ def _quantize_artifact(
             blocks = _gptq(
                 source, weights, constant, graph.entry.data["weights"], folded, head_b, progress, order=order,
                 bits=bits, head_bits=head_bits, block_size=block_size, zero_points=zero_points, chosen=chosen,
-                seed=calibration_seed,
+                seed=calibration_seed, texts=texts,
             )  # fmt: skip
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
         if blocks is not None:
@@ -459,8 +460,9 @@ def _quantize_artifact(
         del files, pending
         fitted = None
         if tune_scales is not None:
+            sampled_text = texts.get((TUNE_ROWS, TUNE_TOKENS, calibration_seed))
             scratch_dir, fitted = _tuned(
-                source, scratch_dir, Path(scratch) / "tuned", tune_scales, calibration_seed, progress
+                source, scratch_dir, Path(scratch) / "tuned", tune_scales, calibration_seed, progress, sampled_text
             )
         progress("measuring logits error, greedy agreement, perplexity and KL against the float model on ort-cpu")
         measured = open_artifact(scratch_dir)
@@ -475,11 +477,13 @@ def _quantize_artifact(
     return QuantizeResult(open_artifact(out_dir), quality, total, recipe, notes)
 
 
-def _tuned(source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, seed: int, progress) -> tuple[Path, dict]:
-    """(the directory of `quantized_dir`'s artifact with its scales fitted to `source` (tuning.py), the fit's report):
-    `out_dir`, written beside it, where the fit is kept; `quantized_dir` itself where it is not."""
+def _tuned(
+    source: Artifact, quantized_dir: Path, out_dir: Path, steps: int, seed: int, progress, text
+) -> tuple[Path, dict]:
+    """(the directory of `quantized_dir`'s artifact with its scales fitted to `source` (tuning.py) on `text`, the
+    fit's report): `out_dir`, written beside it, where the fit is kept; `quantized_dir` itself where it is not."""
     quantized = open_artifact(quantized_dir)
-    tuned, report = tune_scales(source, quantized, steps, progress, seed)
+    tuned, report = tune_scales(source, quantized, steps, progress, seed, text)
     if not tuned:
         progress("keeping the rounded scales: fitting did not lower the KL")
         return quantized_dir, report
@@ -533,14 +537,15 @@ def _gptq(
     zero_points: str,
     chosen: dict[str, int],
     seed: int,
+    texts: dict,
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
     holds a tied head's values, found by head_copies; `order`: them in the order blocks(b) is asked for them):
-    E[x^T x] of each one's input measured on the calibration text the sampler seeded with `seed` writes, then each
-    weight rounded by GPTQ as it is written (counted in `chosen` by its zero points). The second moments are
-    measured in as few forward passes as hold them in half the memory available once the float model is loaded,
-    each pass for the next weights in `order`, when the first of them is asked for; a weight whose own would not fit
-    is refused up front."""
+    E[x^T x] of each one's input measured on the calibration text the sampler seeded with `seed` writes (its token
+    ids kept in `texts` under (GPTQ_ROWS, GPTQ_TOKENS, seed) for the fit), then each weight rounded by GPTQ as it is
+    written (counted in `chosen` by its zero points). The second moments are measured in as few forward passes as
+    hold them in half the memory available once the float model is loaded, each pass for the next weights in
+    `order`, when the first of them is asked for; a weight whose own would not fit is refused up front."""
     from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
@@ -566,6 +571,7 @@ def _gptq(
         )
     )
     calibrated = sampled_calibration(source, calibration(source), GPTQ_ROWS, GPTQ_TOKENS, seed)
+    texts[GPTQ_ROWS, GPTQ_TOKENS, seed] = calibrated.feed["input_ids"]
     free = available_memory()
     refuse_beyond(free)
     passes = _passes(order, need, None if free is None else free // 2)

@@ -187,7 +187,7 @@ def sampled_calibration(
     it is shorter than `tokens`. A graph without a KV cache (a stages export) is fed every row whole at each token
     (`_whole_rows`)."""
     from models.artifacts import artifact_config
-    from models.registry import has_cache, lm_defaults
+    from models.registry import has_cache
     from runners.decoding.generate import CachedLM, Sampler, Sampling
     from runners.registry import create_runner
 
@@ -205,6 +205,13 @@ def sampled_calibration(
         if ids.shape[1] < tokens:
             logits = step(chosen)[:, -1]
     del step, runner
+    return fed(calibrated, ids)
+
+
+def fed(calibrated: Calibration, ids: np.ndarray) -> Calibration:
+    """`calibrated` with its feed the token ids `ids` [rows, tokens] (and the inputs its graph derives from them)."""
+    from models.registry import lm_defaults
+
     return Calibration(
         calibrated.model, calibrated.runner, {"input_ids": ids, **lm_defaults(calibrated.runner.input_specs, ids)}
     )

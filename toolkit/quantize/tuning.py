@@ -98,19 +98,24 @@ def scaled_weights(artifact) -> list[_Scaled]:
 
 
 def tune_scales(
-    source, quantized, steps: int, progress=None, seed: int = DEFAULT_CALIBRATION_SEED
+    source, quantized, steps: int, progress=None, seed: int = DEFAULT_CALIBRATION_SEED, text: np.ndarray | None = None
 ) -> tuple[dict[str, np.ndarray], dict]:
     """({scales initializer: tuned values} (empty where tuning did not lower the held-out KL), the report) for the
     quantized artifact `quantized` of the float artifact `source`, fitted on the text the sampler seeded with `seed`
-    writes."""
+    writes: `text`, its token ids [TUNE_ROWS, TUNE_TOKENS], where the caller has sampled it already (GPTQ's), else
+    sampled here."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     from runners.eager import eager_runner, model_from_artifact
-    from toolkit.quantize.sensitivity import calibration, sampled_calibration
+    from toolkit.quantize.sensitivity import calibration, fed, sampled_calibration
 
     progress = progress or (lambda message: None)
-    progress(f"writing a text of {TUNE_ROWS} x {TUNE_TOKENS} tokens with the float model to fit the scales on")
-    calibrated = sampled_calibration(source, calibration(source), TUNE_ROWS, TUNE_TOKENS, seed)
+    if text is None:
+        progress(f"writing a text of {TUNE_ROWS} x {TUNE_TOKENS} tokens with the float model to fit the scales on")
+        calibrated = sampled_calibration(source, calibration(source), TUNE_ROWS, TUNE_TOKENS, seed)
+    else:
+        progress(f"fitting the scales on the {len(text)} x {text.shape[1]} tokens GPTQ calibrated on")
+        calibrated = fed(calibration(source), text)
     float_model, float_runner, feed = calibrated.model, calibrated.runner, calibrated.feed
     model = model_from_artifact(quantized).eval()
     runner = eager_runner(quantized, torch.float32, "eager", model=model)

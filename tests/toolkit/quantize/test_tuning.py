@@ -19,7 +19,7 @@ from models.registry import build_model, get_family
 from tests.toolkit.quantize.test_quantize import CONFIG, mnb_dequantize, ort_logits
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
-from toolkit.quantize import tuning
+from toolkit.quantize import pipeline, sensitivity, tuning
 from toolkit.quantize.sensitivity import calibration, sampled_calibration
 
 pytestmark = pytest.mark.slow
@@ -173,3 +173,28 @@ def test_the_calibration_seed_needs_a_text_to_seed(source, tmp_path):
         "quantize", source.directory, *OPTIONS, "--recipe", "gptq", "--calibration-seed", -1, "--out", tmp_path / "b"
     )
     assert_user_error(result, "--calibration-seed")
+
+
+def test_the_fit_after_gptq_fits_on_gptq_s_text_sampled_once(source, tmp_path, monkeypatch):
+    """--recipe gptq --tune-scales: the float model writes the calibration text once, and the fit on GPTQ's copy of it
+    gives the scales bit for bit that tune_scales gives when it samples the same rows, tokens and seed itself."""
+    assert (tuning.TUNE_ROWS, tuning.TUNE_TOKENS) == (pipeline.GPTQ_ROWS, pipeline.GPTQ_TOKENS)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[2:4])
+        return sampled_calibration(*args, **kwargs)
+
+    monkeypatch.setattr(sensitivity, "sampled_calibration", counted)
+    monkeypatch.setattr(pipeline, "sampled_calibration", counted)
+    options = (*OPTIONS, "--recipe", "gptq", "--calibration-seed", 3)
+    for name, extra in (("rounded", ()), ("tuned", ("--tune-scales", 20))):
+        result = invoke("quantize", source.directory, *options, *extra, "--out", tmp_path / name)
+        assert result.exit_code == 0, result.output
+    assert calls == [(pipeline.GPTQ_ROWS, pipeline.GPTQ_TOKENS)] * 2, calls  # once per command
+    fitted, report = tuning.tune_scales(source, open_artifact(tmp_path / "rounded"), 20, seed=3)
+    assert len(calls) == 3 and report["kept"]
+    values = graph(tmp_path / "tuned")[1]
+    assert fitted.keys() and all(name in values for name in fitted)
+    for name, array in fitted.items():
+        np.testing.assert_array_equal(values[name], array.reshape(values[name].shape), err_msg=name)
