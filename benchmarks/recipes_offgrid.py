@@ -224,12 +224,18 @@ def main() -> int:
         help="comma-separated seeds: each recipe runs once per `toolkit quantize --calibration-seed`, reported per run "
         "and as the median and range over them (the recipes must calibrate on a sampled text: gptq, --tune-scales)",
     )
+    parser.add_argument(
+        "--gptq-damping",
+        help="toolkit quantize --gptq-damping FRACTION for every recipe run (the recipes must be gptq's)",
+    )
     args = parser.parse_args()
     if args.proxy and "--noise" in sys.argv:
         parser.error("--proxy replaces the noise levels; give one of --proxy and --noise")
     if args.seed is not None and not args.proxy:
         parser.error("--seed chooses a --proxy's rotation or permutations; give --proxy")
     chosen = RECIPES if not args.recipes else {name: RECIPES[name] for name in args.recipes.split(";")}
+    if args.gptq_damping is not None:
+        chosen = {name: [*options, "--gptq-damping", args.gptq_damping] for name, options in chosen.items()}
     import onnxruntime
     import transformers
 

@@ -35,14 +35,22 @@ ZERO_POINTS = ("integer", "offsets", "auto")  # the first the default
 
 
 def gptq_blocks(
-    weight: np.ndarray, hessian: np.ndarray, bits: int = 4, block_size: int = 32, zero_points: str = "integer"
+    weight: np.ndarray,
+    hessian: np.ndarray,
+    bits: int = 4,
+    block_size: int = 32,
+    zero_points: str = "integer",
+    damping: float = DAMPING,
 ) -> NBitsWeight:
     """The MatMulNBits weight of float `weight` [K, N] (a MatMul's B) whose input x has second moment `hessian`
     [K, K] = E[x^T x] on a calibration text; zero_points: each block's minimum, "integer" (uint8 zero points),
     "offsets" (a float minimum) or "auto" (both rounded, the integer ones kept unless their output error on the
-    calibration text, tr((W - Q)^T H (W - Q)), is more than AUTO_TOLERANCE times the float minimums')."""
+    calibration text, tr((W - Q)^T H (W - Q)), is more than AUTO_TOLERANCE times the float minimums'); damping:
+    the share of H's mean diagonal added to its diagonal."""
     if zero_points not in ZERO_POINTS:
         raise ValueError(f"zero_points: expected one of {ZERO_POINTS}, got {zero_points!r}")
+    if not 0 < damping < float("inf"):
+        raise ValueError(f"damping: expected a finite share of H's mean diagonal above 0, got {damping!r}")
     k, n = weight.shape
     if hessian.shape != (k, k):
         raise ValueError(f"hessian: expected shape ({k}, {k}), got {hessian.shape}")
@@ -50,7 +58,7 @@ def gptq_blocks(
     h = torch.from_numpy(np.ascontiguousarray(hessian, dtype=np.float64)).clone()
     dead = torch.diagonal(h) == 0  # a channel the text never moved: its rows round alone, their error kept
     h[dead, dead] = 1.0
-    torch.diagonal(h).add_(DAMPING * torch.diagonal(h).mean())
+    torch.diagonal(h).add_(damping * torch.diagonal(h).mean())
     upper = _inverse_cholesky(h)  # H^-1 = U^T U, U upper: row k's update weights for the rows after it
     importance = torch.diagonal(h).to(torch.float32).numpy()
     del h

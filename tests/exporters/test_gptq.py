@@ -122,6 +122,8 @@ def test_a_calibration_shorter_than_k_does_not_overfit():
     searched = kquant_blocks(w, 4, importance=np.diagonal(hessian).astype(np.float32), zero_points="integer")
     ours = output_error(held_out, w, gptq_blocks(w, hessian, 4).dequantize())
     assert ours < 1.05 * output_error(held_out, w, searched.dequantize())
+    usual = output_error(held_out, w, gptq_blocks(w, hessian, 4, damping=0.01).dequantize())
+    assert usual > 1.2 * output_error(held_out, w, searched.dequantize())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -163,6 +165,13 @@ def test_an_unknown_zero_point_mode_is_refused():
     w = fixture_weights()
     with pytest.raises(ValueError, match="zero_points: expected one of"):
         gptq_blocks(w, np.eye(w.shape[0]), zero_points="float")
+
+
+@pytest.mark.parametrize("damping", [0.0, -0.1, float("nan"), float("inf")])
+def test_a_damping_that_is_not_a_finite_positive_share_is_refused(damping):
+    w = fixture_weights()
+    with pytest.raises(ValueError, match="damping: expected a finite share"):
+        gptq_blocks(w, np.eye(w.shape[0]), damping=damping)
 
 
 def same_weight(a, b) -> bool:

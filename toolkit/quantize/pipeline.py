@@ -32,6 +32,7 @@ from artifact.hashing import sha256_file
 from artifact.read import validate_onnx
 from artifact.write import PendingWeights, check_output_dir, manifest_bytes, pack_artifact, write_artifact
 from exporters.gguf_blocks import Q4_1_LAYOUTS
+from exporters.gptq import DAMPING as GPTQ_DAMPING
 from exporters.gptq import ZERO_POINTS as GPTQ_ZERO_POINTS
 from exporters.gptq import gptq_blocks
 from exporters.kquant import ZERO_POINT_MODES, kquant_blocks
@@ -172,6 +173,7 @@ def _quantize_artifact(
     rotate: int | None = None,
     tune_scales: int | None = None,
     calibration_seed: int | None = None,
+    gptq_damping: float | None = None,
     greedy_tokens: int = GREEDY_TOKENS,
     perplexity_text=None,
     progress=None,
@@ -197,7 +199,8 @@ def _quantize_artifact(
     next-token distributions in this many steps once the weights are rounded (toolkit/quantize/tuning.py), codes and
     zero points unchanged; not with the gguf recipe. calibration_seed: the seed of the sampler that writes the text
     gptq and tune_scales calibrate on (sampled_calibration; None is DEFAULT_CALIBRATION_SEED), refused where neither
-    runs. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
+    runs. gptq_damping: gptq's share of H's mean diagonal added to its diagonal (None is exporters/gptq.DAMPING),
+    refused for the other recipes. perplexity_text: a UTF-8 text file on which the quality report measures perplexity
     (read_perplexity_text) in place of the fixed text.
     progress(message): called as each step starts."""
     progress = progress or (lambda message: None)
@@ -293,6 +296,12 @@ def _quantize_artifact(
         raise ConfigError(f"--calibration-seed: expected a seed of at least 0, got {calibration_seed!r}")
     if sampled and calibration_seed is None:
         calibration_seed = DEFAULT_CALIBRATION_SEED
+    if gptq_damping is not None and recipe != GPTQ:
+        raise ConfigError(f"--gptq-damping is GPTQ's; --recipe {recipe} does not run GPTQ: drop --gptq-damping")
+    if gptq_damping is not None and not 0 < gptq_damping < float("inf"):
+        raise ConfigError(f"--gptq-damping: expected a finite share of H's mean diagonal above 0, got {gptq_damping!r}")
+    if recipe == GPTQ and gptq_damping is None:
+        gptq_damping = GPTQ_DAMPING
     imatrix = (DEFAULT_IMATRIX if imatrix is None else imatrix) and recipe in KQUANT_RECIPES
     if recipe in KQUANT_RECIPES:
         zero_points = zero_points or DEFAULT_ZERO_POINTS
@@ -384,7 +393,7 @@ def _quantize_artifact(
             blocks = _gptq(
                 source, weights, constant, graph.entry.data["weights"], folded, head_b, progress, order=order,
                 bits=bits, head_bits=head_bits, block_size=block_size, zero_points=zero_points, chosen=chosen,
-                seed=calibration_seed, texts=texts,
+                seed=calibration_seed, texts=texts, damping=gptq_damping,
             )  # fmt: skip
             progress(f"quantizing {graph.model_path.name}: {matmuls} MatMuls to {bits}-bit (GPTQ)")
         if blocks is not None:
@@ -434,6 +443,7 @@ def _quantize_artifact(
         "imatrix": imatrix,  # the k-quant search weighted by each input channel's mean square
         "zero_points": zero_points,  # k-quant and gptq block minimums: integer zero points, float offsets or auto
         "calibration_seed": calibration_seed,  # the sampled calibration text's seed where gptq or the fit used one
+        "gptq_damping": gptq_damping,  # gptq's share of H's mean diagonal added to its diagonal, else None
         "eager_reference": "the model rebuilt with the dequantized weights",
         "untied_head": untied,
     }
@@ -538,14 +548,15 @@ def _gptq(
     chosen: dict[str, int],
     seed: int,
     texts: dict,
+    damping: float,
 ):
     """The blocks(b) function of the gptq recipe for the constant MatMul weights `matmul_b` (head_b: the one that
     holds a tied head's values, found by head_copies; `order`: them in the order blocks(b) is asked for them):
     E[x^T x] of each one's input measured on the calibration text the sampler seeded with `seed` writes (its token
-    ids kept in `texts` under (GPTQ_ROWS, GPTQ_TOKENS, seed) for the fit), then each weight rounded by GPTQ as it is
-    written (counted in `chosen` by its zero points). The second moments are measured in as few forward passes as
-    hold them in half the memory available once the float model is loaded, each pass for the next weights in
-    `order`, when the first of them is asked for; a weight whose own would not fit is refused up front."""
+    ids kept in `texts` under (GPTQ_ROWS, GPTQ_TOKENS, seed) for the fit), then each weight rounded by GPTQ with
+    `damping` as it is written (counted in `chosen` by its zero points). The second moments are measured in as few
+    forward passes as hold them in half the memory available once the float model is loaded, each pass for the next
+    weights in `order`, when the first of them is asked for; a weight whose own would not fit is refused up front."""
     from toolkit.memory import available_memory
 
     dims = {b: list(weights.tensors[b].dims) for b in matmul_b}
@@ -592,7 +603,7 @@ def _gptq(
             if not passes:
                 held.clear()  # the float model goes once every second moment is measured
         weight = gptq_blocks(
-            weights.array(b), moments.pop(b), head_bits if b == head_b else bits, block_size, zero_points
+            weights.array(b), moments.pop(b), head_bits if b == head_b else bits, block_size, zero_points, damping
         )
         chosen["integer" if weight.offsets is None else "offsets"] += 1
         return weight

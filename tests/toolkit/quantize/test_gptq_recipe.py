@@ -40,7 +40,7 @@ from tests.toolkit.quantize.test_importance import LOUD, LOUDER
 from tests.toolkit.quantize.test_quantize import mnb_dequantize, ort_logits, quantized, source  # noqa: F401 (fixtures)
 from tests.toolkit.test_cli import assert_user_error, invoke
 from toolkit.check.crosscheck import cross_check
-from toolkit.quantize import importance
+from toolkit.quantize import importance, pipeline
 from toolkit.quantize.importance import hessians
 from toolkit.quantize.sensitivity import (
     Calibration,
@@ -182,6 +182,40 @@ def test_the_gptq_recipe_is_closer_to_float_than_round_to_nearest(source, quanti
     assert json.loads(report.read_text())["quality"]["logits_mean_abs"] > 0
     check = cross_check(artifact, ["eager", "ort-cpu"], batch=1, sequence=5, decode_steps=2)
     assert check.passed, [(b.name, b.first_divergence) for b in check.backends]
+
+
+def test_gptq_damping_reaches_every_weight_and_the_manifest(source, tmp_path, monkeypatch):  # noqa: F811
+    """--gptq-damping: every weight GPTQ rounds is rounded with it, and the manifest records it (the default where
+    it is not given, tested beside it; what the damping changes in the rounding is tests/exporters/test_gptq.py's)."""
+    real, seen = pipeline.gptq_blocks, []
+
+    def spy(*args):
+        seen.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(pipeline, "gptq_blocks", spy)
+    options = ("--recipe", "gptq", "--bits", 4, "--accuracy-level", 0, "--greedy-tokens", 2, "--gptq-damping", 0.01)
+    result = invoke("quantize", source.directory, *options, "--out", tmp_path / "q")
+    assert result.exit_code == 0, result.output
+    made = open_artifact(tmp_path / "q").manifest.quantization
+    assert made["gptq_damping"] == 0.01
+    assert seen and seen == [0.01] * made["quantized_matmuls"], seen
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        (("--recipe", "rtn", "--gptq-damping", 0.01), ("--gptq-damping", "--recipe rtn")),
+        (("--recipe", "gptq", "--gptq-damping", "nan"), ("--gptq-damping", "nan")),
+        (("--recipe", "gptq", "--gptq-damping", "inf"), ("--gptq-damping", "inf")),
+        (("--recipe", "gptq", "--gptq-damping", 0), ("--gptq-damping",)),
+    ],
+)
+def test_gptq_damping_is_refused_where_it_means_nothing(source, tmp_path, options, fragments):  # noqa: F811
+    """Not GPTQ, or not a finite share above 0: one line, exit 2, nothing written."""
+    out = tmp_path / "q"
+    assert_user_error(invoke("quantize", source.directory, "--bits", 4, *options, "--out", out), *fragments)
+    assert not out.exists()
 
 
 def test_the_gptq_recipe_needs_bits(source, tmp_path):  # noqa: F811
