@@ -188,15 +188,20 @@ def search_zero_point(
     flat = span == 0  # every value 0
     span = torch.where(flat, 1.0, span)
 
+    def steps(s, z):  # q - z for scale s and zero point z (the refits need no error)
+        return torch.round(x / s[:, None]).clamp_(-z[:, None], top - z[:, None])
+
     def codes(s, z):  # q for scale s and zero point z, and its weighted error
-        q = torch.clamp(torch.round(x / s[:, None]) + z[:, None], 0, top)
-        return q, (w * (s[:, None] * (q - z[:, None]) - x) ** 2).sum(dim=1)
+        d = steps(s, z)
+        error = (w * (s[:, None] * d - x) ** 2).sum(dim=1)
+        return d.add_(z[:, None]), error
 
     def fitted(s):  # (q, s, z, weighted error) for a starting scale s, after refitting s with z fixed
         z = torch.clamp(torch.round(-low / s), 0, top)
         for _ in range(2):
-            d = codes(s, z)[0] - z[:, None]
-            num, den = (w * d * x).sum(dim=1), (w * d * d).sum(dim=1)
+            d = steps(s, z)
+            wd = w * d
+            num, den = (wd * x).sum(dim=1), (wd * d).sum(dim=1)
             s = torch.where((den > 0) & (num > 0), num / torch.where(den > 0, den, 1.0), s)
         return s, z, *codes(s, z)
 

@@ -81,10 +81,26 @@ def test_a_float16_export_holds_float16_weights_only(imported, tmp_path):
     assert big and all(t[0] == onnx.TensorProto.FLOAT16 for t in big)
 
 
-def export_peak(tmp_path: Path, layers: int, lowering: str = "functions", external: bool = True) -> tuple[int, int]:
+@pytest.fixture(scope="module")
+def depths(tmp_path_factory):
+    """depths(layers) -> (directory, float32 weight bytes) of a `layers`-layer checkpoint, written once per module:
+    the three peak tests read the same two."""
+    made = {}
+
+    def get(layers: int) -> tuple[Path, int]:
+        if layers not in made:
+            directory = tmp_path_factory.mktemp(f"hf{layers}")
+            made[layers] = directory, checkpoint(directory, layers)
+        return made[layers]
+
+    return get
+
+
+def export_peak(
+    tmp_path: Path, depths, layers: int, lowering: str = "functions", external: bool = True
+) -> tuple[int, int]:
     """(peak resident bytes of `toolkit export --from` in a child process, the checkpoint's float32 weight bytes)."""
-    directory = tmp_path / f"hf{layers}"
-    weights = checkpoint(directory, layers)
+    directory, weights = depths(layers)
     out = tmp_path / f"artifact{layers}-{lowering}"
     where = ("--external-data",) if external else ()  # inline: under the external-data threshold by default
     return command_peak(
@@ -94,7 +110,7 @@ def export_peak(tmp_path: Path, layers: int, lowering: str = "functions", extern
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("lowering", "bound"), [("functions", 0.4), ("ort", 1.4)])
-def test_exporting_more_layers_costs_at_most_one_copy_of_their_weights(tmp_path, lowering, bound):
+def test_exporting_more_layers_costs_at_most_one_copy_of_their_weights(tmp_path, depths, lowering, bound):
     """Two float32 checkpoints that differ only in depth (2 and 30 layers, 0.15 and 0.45 GB): the fixed costs
     (interpreter, trace, embedding) cancel in the extra peak memory per extra weight byte.
 
@@ -104,19 +120,20 @@ def test_exporting_more_layers_costs_at_most_one_copy_of_their_weights(tmp_path,
     off), 1.04 with the finiteness check's pages left resident. ort: the lowering fuses q/k/v and gate/up from weights it reads, and the fused copies are held until
     written, the originals a layer at a time only: measured 1.08; holding the model and the graph's copy at once
     costs 2, the serialised graph beside them 3."""
-    assert_cost_per_extra_byte(export_peak(tmp_path, 2, lowering), export_peak(tmp_path, 30, lowering), bound)
+    shallow, deep = export_peak(tmp_path, depths, 2, lowering), export_peak(tmp_path, depths, 30, lowering)
+    assert_cost_per_extra_byte(shallow, deep, bound)
 
 
 @pytest.mark.slow
-def test_an_inline_export_holds_no_copy_of_its_mapped_weights(tmp_path):
+def test_an_inline_export_holds_no_copy_of_its_mapped_weights(tmp_path, depths):
     """The same two checkpoints with the weights inside the graph file: serialising lays the graph out as chunks,
     the mapped weights as their file spans (artifact.protobuf.serialize_chunks), hashes them from the file and
     copies them into the graph file as it is written; the verification reads the graph back without the weights
     (artifact.protobuf.read_skeleton). Measured 0.20 bytes of peak per extra weight byte (the transposed attention
     projections); with every weight read into memory 1.03, and with the verification parsing the whole file (as
     a runner that reads the weights does) 2.03."""
-    shallow = export_peak(tmp_path, 2, external=False)
-    assert_cost_per_extra_byte(shallow, export_peak(tmp_path, 30, external=False), 0.4)
+    shallow = export_peak(tmp_path, depths, 2, external=False)
+    assert_cost_per_extra_byte(shallow, export_peak(tmp_path, depths, 30, external=False), 0.4)
 
 
 def test_the_weights_are_read_after_the_one_block_trace(tmp_path, monkeypatch):
