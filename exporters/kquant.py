@@ -142,21 +142,25 @@ def search(
     flat = span == 0
     span = torch.where(flat, 1.0, span)
     from_low = x - low[:, None]
+    # Every candidate's [B, L] arrays are written into these three: a fresh array per operation would be
+    # fresh pages for the kernel to fault in, a third of the search's time.
+    q, wq, work = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
 
     def rounded(levels):  # q for the candidate scale span / levels, from the block's minimum
-        return torch.clamp(torch.round(from_low * (levels / span)[:, None]), 0, top)
+        return torch.mul(from_low, (levels / span)[:, None], out=q).round_().clamp_(0, top)
 
-    def weighted_error(q, s, m):
-        return (w * (s[:, None] * q + m[:, None] - x) ** 2).sum(dim=1)
+    def weighted_error(q, s, m):  # sum(w (s q + m - x)^2) per block
+        return torch.mul(q, s[:, None], out=work).add_(m[:, None]).sub_(x).square_().mul_(w).sum(dim=1)
 
-    best_q = rounded(torch.tensor(float(top)))
+    best_q = rounded(torch.tensor(float(top))).clone()
     best_s, best_m = span / top, low
     best = weighted_error(best_q, best_s, best_m)
     sum_w, sum_wx = w.sum(dim=1), (w * x).sum(dim=1)
     for step in range(SEARCH_STEPS + 1):
-        q = rounded(torch.tensor(top - 1 + SEARCH_DELTA * step, dtype=torch.float32))
-        wq = w * q
-        sum_q, sum_qq, sum_qx = wq.sum(dim=1), (wq * q).sum(dim=1), (wq * x).sum(dim=1)
+        rounded(torch.tensor(top - 1 + SEARCH_DELTA * step, dtype=torch.float32))
+        torch.mul(w, q, out=wq)
+        sum_q = wq.sum(dim=1)
+        sum_qq, sum_qx = torch.mul(wq, q, out=work).sum(dim=1), torch.mul(wq, x, out=work).sum(dim=1)
         det = sum_w * sum_qq - sum_q * sum_q
         ok = det > 0
         det = torch.where(ok, det, 1.0)
@@ -188,26 +192,29 @@ def search_zero_point(
     flat = span == 0  # every value 0
     span = torch.where(flat, 1.0, span)
 
-    def steps(s, z):  # q - z for scale s and zero point z (the refits need no error)
-        return torch.round(x / s[:, None]).clamp_(-z[:, None], top - z[:, None])
+    # The candidates' [B, L] arrays are written into these three (see `search`).
+    d, wd, work = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
 
-    def codes(s, z):  # q for scale s and zero point z, and its weighted error
-        d = steps(s, z)
-        error = (w * (s[:, None] * d - x) ** 2).sum(dim=1)
+    def steps(s, z):  # d = q - z for scale s and zero point z
+        return torch.div(x, s[:, None], out=d).round_().clamp_(-z[:, None], top - z[:, None])
+
+    def codes(s, z):  # q for scale s and zero point z (in d), and its weighted error sum(w (s d - x)^2)
+        steps(s, z)
+        error = torch.mul(d, s[:, None], out=work).sub_(x).square_().mul_(w).sum(dim=1)
         return d.add_(z[:, None]), error
 
     def fitted(s):  # (q, s, z, weighted error) for a starting scale s, after refitting s with z fixed
         z = torch.clamp(torch.round(-low / s), 0, top)
-        for _ in range(2):
-            d = steps(s, z)
-            wd = w * d
-            num, den = (wd * x).sum(dim=1), (wd * d).sum(dim=1)
+        for _ in range(2):  # the refits need no error
+            torch.mul(w, steps(s, z), out=wd)
+            num, den = torch.mul(wd, x, out=work).sum(dim=1), torch.mul(wd, d, out=work).sum(dim=1)
             s = torch.where((den > 0) & (num > 0), num / torch.where(den > 0, den, 1.0), s)
         return s, z, *codes(s, z)
 
     best_s = span / top  # round-to-nearest: the min-max grid as it is
     best_z = torch.clamp(torch.round(-low / best_s), 0, top)
     best_q, best = codes(best_s, best_z)
+    best_q = best_q.clone()
     for levels in [float(top)] + [top - 1 + SEARCH_DELTA * step for step in range(SEARCH_STEPS + 1)]:
         s, z, q, error = fitted(span / levels)
         better = error < best

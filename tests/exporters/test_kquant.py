@@ -112,6 +112,22 @@ def test_a_block_on_an_integer_zero_point_grid_is_recovered_and_round_to_nearest
     assert set(found[2].tolist()) == {z}
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_integer_zero_point_codes_are_those_of_the_scale_and_zero_point_returned(weighted):
+    """Each block's codes are round(x / s) + z clamped to the grid, for the s and z the search returns (numpy's
+    float32 division and half-to-even rounding, as MatMulNBits' round-to-nearest would take them): no block
+    keeps one candidate's codes with another's scale. Heavy-tailed blocks, a constant block, one all positive."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_t(4, (4000, 32)) * 0.02).astype(np.float32)
+    x[7], x[11] = 0.0, np.abs(x[11])
+    importance = np.broadcast_to(rng.random(32).astype(np.float32) + 0.1, x.shape) if weighted else None
+    q, s, z = search_zero_point(x, 15, None, importance)
+    live = s > 0
+    assert live.sum() == len(x) - 1 and s[7] == 0 and not q[7].any()
+    expected = np.clip(np.round(x[live] / s[live, None]) + z[live, None], 0, 15)
+    np.testing.assert_array_equal(q[live], expected.astype(np.uint8))
+
+
 def test_integer_zero_points_of_edge_blocks():
     """All zero (scale 0), all positive (zero point 0), all negative (zero point 15): each within half a step."""
     x = np.zeros((3, 32), dtype=np.float32)
