@@ -215,7 +215,10 @@ def search_zero_point(
     best_z = torch.clamp(torch.round(-low / best_s), 0, top)
     best_q, best = codes(best_s, best_z)
     best_q = best_q.clone()
-    for levels in [float(top)] + [top - 1 + SEARCH_DELTA * step for step in range(SEARCH_STEPS + 1)]:
+    # The min-max grid's own levels first (ties keep the earlier candidate), then the others: its step of the
+    # sweep, top - 1 + 1.0, is the same candidate and is not fitted twice.
+    sweep = [top - 1 + SEARCH_DELTA * step for step in range(SEARCH_STEPS + 1)]
+    for levels in [float(top)] + [levels for levels in sweep if levels != top]:
         s, z, q, error = fitted(span / levels)
         better = error < best
         best = torch.where(better, error, best)
