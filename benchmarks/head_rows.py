@@ -22,15 +22,19 @@ would hold them to the wrong eager reference. Measure them with `benchmarks/qual
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
 from onnx import helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from artifact.hashing import sha256_file  # noqa: E402
 
 CALIBRATION_TOKENS = 4096
 WINDOW = 512
@@ -56,25 +60,29 @@ def head_node(proto: onnx.ModelProto):
     return next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits")
 
 
+def _columns(array: np.ndarray, n: int, columns: np.ndarray) -> np.ndarray:
+    """The part of a MatMulNBits input (packed [N, blocks, blob], or scales or zero points flat, N-major) that
+    belongs to output `columns`, in the same layout."""
+    part = array.reshape(n, -1)[columns]
+    return part.reshape((len(columns), *array.shape[1:])) if array.ndim > 1 else part.reshape(-1)
+
+
 def split_head(four: onnx.ModelProto, eight: onnx.ModelProto, chosen: np.ndarray) -> onnx.ModelProto:
     """`four` with its head's rows `chosen` (sorted token ids) read from `eight`'s 8-bit head."""
     head, eight_head = head_node(four), head_node(eight)
     n = next(a.i for a in head.attribute if a.name == "N")
     rest = np.setdiff1d(np.arange(n), chosen)
     initializers = {i.name: i for i in four.graph.initializer}
-    for name in head.input[1:]:  # packed [N, blocks, blob], scales and zero points: each column's in a row of N
-        array = numpy_helper.to_array(initializers[name])
-        part = array.reshape(n, -1)[rest].reshape((len(rest), *array.shape[1:]) if array.ndim > 1 else -1)
+    for name in head.input[1:]:
+        part = _columns(numpy_helper.to_array(initializers[name]), n, rest)
         initializers[name].CopyFrom(numpy_helper.from_array(part, name))
     next(a for a in head.attribute if a.name == "N").i = len(rest)
     head.output[0] = "logits_rest"
     wide = {i.name: numpy_helper.to_array(i) for i in eight.graph.initializer if i.name in eight_head.input[1:]}
     names = []
     for name in eight_head.input[1:]:
-        array = wide[name]
-        part = array.reshape(n, -1)[chosen].reshape((len(chosen), *array.shape[1:]) if array.ndim > 1 else -1)
         names.append(f"head_rows_{len(names)}")
-        four.graph.initializer.append(numpy_helper.from_array(part, names[-1]))
+        four.graph.initializer.append(numpy_helper.from_array(_columns(wide[name], n, chosen), names[-1]))
     index = np.empty(n, dtype=np.int64)  # token id -> its place in Concat(rest, chosen)
     index[rest], index[chosen] = np.arange(len(rest)), len(rest) + np.arange(len(chosen))
     four.graph.initializer.append(numpy_helper.from_array(index, "head_rows_index"))
@@ -113,7 +121,7 @@ def main() -> int:
     shutil.copytree(args.four, args.out, ignore=shutil.ignore_patterns("model.onnx"))
     onnx.save(proto, args.out / "model.onnx")
     manifest = json.loads((args.out / "manifest.json").read_text())
-    manifest["graphs"][0]["sha256"] = hashlib.sha256((args.out / "model.onnx").read_bytes()).hexdigest()
+    manifest["graphs"][0]["sha256"] = sha256_file(args.out / "model.onnx")
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"{args.out}: {args.rows} rows at 8 bits, {mass[chosen].sum() / mass.sum():.1%} of the calibration mass")
     return 0
